@@ -1,0 +1,285 @@
+"""The in-memory model of one rank's flight-recorder dump.
+
+Every reader (our own ``frdump`` format, PyTorch's native pickles and JSON) turns
+its bytes into one :class:`RankTrace`; the recorder builds the same object at dump
+time and hands it to the writer. Entries are *columns* (numpy arrays, one row per
+recorded op) rather than one Python object per op: a 10,000-rank job holds tens of
+millions of entries, and the matcher only needs a few integer columns of them.
+
+Strings (op names, shapes, dtypes, thread names) are indices into
+``RankTrace.strings``; Python stacks are indices into ``RankTrace.stacks``.
+Stacks list the innermost frame first (as PyTorch's ``frames`` do). Times are wall-clock nanoseconds since the epoch (0 = unknown); ranks are global
+unless a name says ``group_rank``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "ENTRY_COLUMNS",
+    "NO_INDEX",
+    "DeathInfo",
+    "DumpReason",
+    "EntryTable",
+    "Frame",
+    "GroupInfo",
+    "OpState",
+    "PeerHeartbeat",
+    "RankTrace",
+    "SourceFormat",
+    "ThreadStack",
+]
+
+NO_INDEX: Final = -1
+"""Value of an index or rank column when the dump does not say."""
+
+
+class OpState(enum.IntEnum):
+    """Where an op was when the dump was taken (PyTorch's ``state`` field)."""
+
+    SCHEDULED = 0
+    STARTED = 1
+    COMPLETED = 2
+    FAILED = 3
+
+
+class DumpReason(str, enum.Enum):
+    """Why a rank wrote its dump."""
+
+    WATCHDOG_TIMEOUT = "watchdog_timeout"
+    PEER_SIGNAL = "peer_signal"
+    SIGNAL = "signal"
+    API = "api"
+    EXIT = "exit"
+    EXCEPTION = "exception"
+    UNKNOWN = "unknown"
+
+
+class SourceFormat(str, enum.Enum):
+    """Which writer produced a dump."""
+
+    FRDUMP = "frdump"
+    NATIVE_PICKLE = "native_pickle"
+    NATIVE_JSON = "native_json"
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One Python frame: file, line, function."""
+
+    file: str
+    line: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """A process group as one rank saw it.
+
+    ``name`` alone is ambiguous (hashed names may be shared by groups with other
+    members); ``ranks`` are global ranks, or ``None`` when the dump does not say
+    (PyTorch's gloo dumps never do).
+    """
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...] | None
+    backend: str = ""
+
+    def group_rank_to_global(self, group_rank: int) -> int:
+        """Map a group-local rank to a global one (``NO_INDEX`` when unknown)."""
+        if self.ranks is None or not 0 <= group_rank < len(self.ranks):
+            return NO_INDEX
+        return self.ranks[group_rank]
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadStack:
+    """A thread's Python stack at dump time (innermost frame first, like PyTorch's `frames`)."""
+
+    name: str
+    ident: int
+    is_main: bool
+    frames: tuple[Frame, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerHeartbeat:
+    """A peer whose heartbeat this rank saw go stale (its watchdog stopped)."""
+
+    rank: int
+    age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeathInfo:
+    """The rank's own dump says the process was dying (exception or exit)."""
+
+    kind: str
+    message: str
+    frames: tuple[Frame, ...] = ()
+
+
+# name -> numpy dtype of every entry column, in file order. Adding a column is a
+# compatible change (readers fill absent ones with the default below).
+ENTRY_COLUMNS: Final[dict[str, str]] = {
+    "record_id": "<i8",  # per-process counter (not comparable across ranks)
+    "pg": "<i4",  # index into RankTrace.groups
+    "seq": "<i8",  # PyTorch collective_seq_id (per group, per process)
+    "p2p_seq": "<i8",  # PyTorch p2p_seq_id (all p2p ops of a group on this process)
+    "peer_seq": "<i8",  # k-th send to / recv from this peer in this group (1-based)
+    "op": "<i4",  # string index: all_reduce, send, recv, coalesced, ...
+    "is_p2p": "|u1",
+    "peer": "<i4",  # global rank of the p2p peer
+    "root": "<i4",  # global rank of the root of broadcast/reduce/gather/scatter
+    "coalesced": "<i8",  # entries with one non-negative value form one unit
+    "in_numel": "<i8",
+    "out_numel": "<i8",
+    "in_shapes": "<i4",  # string index, e.g. "[[4, 4]]"
+    "out_shapes": "<i4",
+    "in_dtypes": "<i4",  # string index, e.g. "Float" or "Float,Half"
+    "out_dtypes": "<i4",
+    "reduce_op": "<i4",  # string index
+    "state": "|u1",  # OpState
+    "t_enqueue_ns": "<i8",
+    "t_start_ns": "<i8",
+    "t_complete_ns": "<i8",
+    "timeout_ms": "<i8",
+    "thread": "<i4",  # string index of the issuing thread's name
+    "device": "<i4",  # string index, e.g. "cuda:3"
+    "stream": "<i8",
+    "stack": "<i4",  # index into RankTrace.stacks
+}
+
+COLUMN_DEFAULTS: Final[dict[str, int]] = {
+    name: (0 if name in {"is_p2p", "state", "in_numel", "out_numel", "timeout_ms"}
+           or name.startswith("t_") else NO_INDEX)
+    for name in ENTRY_COLUMNS
+}
+
+I8 = npt.NDArray[np.int64]
+I4 = npt.NDArray[np.int32]
+U1 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
+class EntryTable:
+    """The ring buffer's entries as columns, oldest first (see ``ENTRY_COLUMNS``)."""
+
+    record_id: I8
+    pg: I4
+    seq: I8
+    p2p_seq: I8
+    peer_seq: I8
+    op: I4
+    is_p2p: U1
+    peer: I4
+    root: I4
+    coalesced: I8
+    in_numel: I8
+    out_numel: I8
+    in_shapes: I4
+    out_shapes: I4
+    in_dtypes: I4
+    out_dtypes: I4
+    reduce_op: I4
+    state: U1
+    t_enqueue_ns: I8
+    t_start_ns: I8
+    t_complete_ns: I8
+    timeout_ms: I8
+    thread: I4
+    device: I4
+    stream: I8
+    stack: I4
+
+    def __len__(self) -> int:
+        return int(self.record_id.shape[0])
+
+    @classmethod
+    def from_columns(cls, n: int, columns: dict[str, npt.ArrayLike]) -> EntryTable:
+        """Build a table of ``n`` rows; absent columns get their default value.
+
+        Raises ``ValueError`` when a column has the wrong length.
+        """
+        built: dict[str, np.ndarray] = {}
+        for name, dtype in ENTRY_COLUMNS.items():
+            if name in columns:
+                arr = np.asarray(columns[name], dtype=np.dtype(dtype).newbyteorder("="))
+                if arr.shape != (n,):
+                    raise ValueError(f"column {name!r} has {arr.shape[0] if arr.ndim else 0} rows, expected {n}")
+            else:
+                arr = np.full(n, COLUMN_DEFAULTS[name], dtype=np.dtype(dtype).newbyteorder("="))
+            built[name] = arr
+        return cls(**built)
+
+    @classmethod
+    def empty(cls) -> EntryTable:
+        """A table with no rows."""
+        return cls.from_columns(0, {})
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """Every column by name, in ``ENTRY_COLUMNS`` order."""
+        return {name: getattr(self, name) for name in ENTRY_COLUMNS}
+
+
+@dataclass(frozen=True, slots=True)
+class RankTrace:
+    """Everything one rank's dump says, normalized.
+
+    ``rank`` is the global rank (from the dump's content, or for native dumps from
+    the file name; ``rank_from`` says which). Fields a format does not carry are
+    ``None`` (unknown), never guessed here: inference belongs to the analyzer.
+    """
+
+    rank: int | None
+    source: str
+    format: SourceFormat
+    version: str
+    groups: tuple[GroupInfo, ...]
+    strings: tuple[str, ...]
+    stacks: tuple[tuple[Frame, ...], ...]
+    entries: EntryTable
+    rank_from: str = "content"
+    world_size: int | None = None
+    host: str | None = None
+    pid: int | None = None
+    job_id: str | None = None
+    dump_reason: DumpReason = DumpReason.UNKNOWN
+    dump_detail: str = ""
+    dump_time_ns: int | None = None
+    dump_monotonic_ns: int | None = None
+    completion_resolution_ns: int = 0
+    dropped: int = 0
+    threads: tuple[ThreadStack, ...] = ()
+    stale_peers: tuple[PeerHeartbeat, ...] = ()
+    death: DeathInfo | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def string(self, index: int) -> str:
+        """The string at ``index`` of the string table ('' for ``NO_INDEX``)."""
+        if 0 <= index < len(self.strings):
+            return self.strings[index]
+        return ""
+
+    def stack(self, index: int) -> tuple[Frame, ...]:
+        """The frames at ``index`` of the stack table (empty for ``NO_INDEX``)."""
+        if 0 <= index < len(self.stacks):
+            return self.stacks[index]
+        return ()
+
+    def main_thread(self) -> ThreadStack | None:
+        """The main thread's stack at dump time, if the dump has thread stacks."""
+        for thread in self.threads:
+            if thread.is_main:
+                return thread
+        return None
