@@ -1,0 +1,231 @@
+"""Dump time: turn the ring's raw entries into a :class:`~frforensics.model.RankTrace`.
+
+Only here are shapes turned into strings, dtypes into PyTorch's names, code
+objects into frames, and monotonic times into wall-clock nanoseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from frforensics.model import (
+    DeathInfo,
+    DumpReason,
+    EntryTable,
+    Frame,
+    GroupInfo,
+    RankTrace,
+    SourceFormat,
+    ThreadStack,
+)
+from frforensics.recorder import _ring as R
+from frforensics.recorder._core import frames_of, host_name, job_id
+
+if TYPE_CHECKING:
+    from frforensics.recorder._core import Recorder
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        import torch
+
+        known = {
+            torch.float32: "Float", torch.float64: "Double", torch.float16: "Half",
+            torch.bfloat16: "BFloat16", torch.int64: "Long", torch.int32: "Int",
+            torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+            torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+        }
+        name = known.get(dtype) or str(dtype).removeprefix("torch.")
+        _DTYPE_NAMES[dtype] = name
+    return name
+
+
+def _reduce_name(op: Any) -> str:
+    if op is None:
+        return ""
+    inner = getattr(op, "op", op)
+    name = getattr(inner, "name", None)
+    return str(name) if name else str(inner).rsplit(".", 1)[-1]
+
+
+class _Strings:
+    __slots__ = ("index", "items")
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.index: dict[str, int] = {}
+
+    def add(self, s: str) -> int:
+        i = self.index.get(s)
+        if i is None:
+            i = self.index[s] = len(self.items)
+            self.items.append(s)
+        return i
+
+
+def build_trace(rec: Recorder, reason: DumpReason, detail: str,
+                death: DeathInfo | None) -> RankTrace:
+    """Snapshot the ring, the groups and every thread's stack into a RankTrace."""
+    mono_now = time.monotonic_ns()
+    wall_now = time.time_ns()
+    offset = wall_now - mono_now
+    entries, dropped = rec.ring.snapshot()
+    n = len(entries)
+    strings = _Strings()
+    stacks: list[tuple[Frame, ...]] = []
+    stack_index: dict[tuple[Frame, ...], int] = {}
+    raw_stack_index: dict[tuple[Any, ...], int] = {}
+    meta_cache: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+    thread_names = {t.ident: t.name for t in threading.enumerate()}
+
+    def stack_of(raw: tuple[Any, ...]) -> int:
+        if not raw:
+            return -1
+        i = raw_stack_index.get(raw)
+        if i is None:
+            frames = tuple(
+                Frame(raw[k].co_filename, int(raw[k + 1] or 0),
+                      getattr(raw[k], "co_qualname", raw[k].co_name))
+                for k in range(0, len(raw), 2)
+            )
+            i = stack_index.get(frames)
+            if i is None:
+                i = stack_index[frames] = len(stacks)
+                stacks.append(frames)
+            raw_stack_index[raw] = i
+        return i
+
+    def meta_of(meta: tuple[Any, ...]) -> tuple[int, int, int]:
+        hit = meta_cache.get(meta)
+        if hit is None:
+            shapes = [list(shape) for shape, _ in meta]
+            numel = 0
+            for shape in shapes:
+                k = 1
+                for d in shape:
+                    k *= int(d)
+                numel += k
+            dtypes = ",".join(_dtype_name(dt) for _, dt in meta)
+            hit = meta_cache[meta] = (strings.add(str(shapes)), strings.add(dtypes), numel)
+        return hit
+
+    cols: dict[str, list[int]] = {name: [0] * n for name in (
+        "record_id", "pg", "seq", "p2p_seq", "peer_seq", "op", "is_p2p", "peer", "root",
+        "coalesced", "in_numel", "out_numel", "in_shapes", "out_shapes", "in_dtypes",
+        "out_dtypes", "reduce_op", "state", "t_enqueue_ns", "t_start_ns", "t_complete_ns",
+        "timeout_ms", "thread", "device", "stream", "stack")}
+    for i, e in enumerate(entries):
+        cols["record_id"][i] = e[R.RECORD_ID]
+        cols["pg"][i] = e[R.GROUP]
+        cols["seq"][i] = e[R.SEQ]
+        cols["p2p_seq"][i] = e[R.P2P_SEQ]
+        cols["peer_seq"][i] = e[R.PEER_SEQ]
+        cols["op"][i] = strings.add(e[R.OP])
+        cols["is_p2p"][i] = 1 if e[R.IS_P2P] else 0
+        cols["peer"][i] = e[R.PEER]
+        cols["root"][i] = e[R.ROOT]
+        cols["coalesced"][i] = e[R.COALESCED]
+        in_s, in_d, in_n = meta_of(e[R.INPUTS])
+        out_s, out_d, out_n = meta_of(e[R.OUTPUTS])
+        cols["in_shapes"][i], cols["in_dtypes"][i], cols["in_numel"][i] = in_s, in_d, in_n
+        cols["out_shapes"][i], cols["out_dtypes"][i], cols["out_numel"][i] = out_s, out_d, out_n
+        red = e[R.REDUCE_OP]
+        cols["reduce_op"][i] = strings.add(_reduce_name(red)) if red is not None else -1
+        cols["state"][i] = e[R.STATE]
+        cols["t_enqueue_ns"][i] = e[R.T_ENQUEUE] + offset
+        cols["t_start_ns"][i] = e[R.T_START] + offset if e[R.T_START] else 0
+        cols["t_complete_ns"][i] = e[R.T_COMPLETE] + offset if e[R.T_COMPLETE] else 0
+        cols["timeout_ms"][i] = e[R.TIMEOUT_MS]
+        ident = e[R.THREAD]
+        cols["thread"][i] = strings.add(thread_names.get(ident) or f"thread-{ident}")
+        dev = e[R.DEVICE]
+        cols["device"][i] = strings.add(dev) if dev else -1
+        cols["stream"][i] = e[R.STREAM]
+        cols["stack"][i] = stack_of(e[R.STACK])
+    table = EntryTable.from_columns(n, {k: np.asarray(v) for k, v in cols.items()})
+
+    threads = []
+    for ident, frame in sys._current_frames().items():
+        threads.append(ThreadStack(
+            name=thread_names.get(ident) or f"thread-{ident}",
+            ident=int(ident),
+            is_main=ident == rec.main_ident,
+            frames=frames_of(frame),
+        ))
+    threads.sort(key=lambda t: (not t.is_main, t.name))
+
+    groups = tuple(
+        GroupInfo(name=g.name, desc=g.desc, ranks=tuple(g.ranks), backend=g.backend)
+        for g in rec.groups
+    )
+    notes = [f"watchdog deadline {rec.config.timeout_s:g} s; "
+             f"store poll {rec.config.store_poll_interval_s:g} s"]
+    if rec.store is None:
+        notes.append("no store client: this dump was not coordinated with peers")
+    elif rec.store_dead:
+        notes.append("store unreachable at dump time: dumped locally only")
+    notes.extend(rec.config.extra_notes)
+    stale = rec.stale_peers() if reason is not DumpReason.API else ()
+    return RankTrace(
+        rank=rec.current_rank(),
+        source="frforensics.recorder",
+        format=SourceFormat.FRDUMP,
+        version="1",
+        groups=groups,
+        strings=tuple(strings.items),
+        stacks=tuple(stacks),
+        entries=table,
+        world_size=rec.world_size,
+        host=host_name(),
+        pid=os.getpid(),
+        job_id=job_id(),
+        dump_reason=reason,
+        dump_detail=detail,
+        dump_time_ns=time.time_ns(),
+        dump_monotonic_ns=time.monotonic_ns(),
+        completion_resolution_ns=rec.resolution_ns,
+        dropped=dropped,
+        threads=tuple(threads),
+        stale_peers=stale,
+        death=death,
+        notes=tuple(notes),
+    )
+
+
+def native_dump_bytes(rec: Recorder) -> bytes | None:
+    """PyTorch's own dump with gloo's empty ``pg_config`` filled from our groups."""
+    from torch._C import _distributed_c10d as C
+
+    dump_fn = getattr(C, "_dump_fr_trace", None)
+    if dump_fn is None:
+        return None
+    raw = dump_fn()
+    if not raw:
+        return None
+    from frforensics.formats.native import decode_pickle
+
+    doc = decode_pickle(bytes(raw), source="torch._dump_fr_trace")
+    if not isinstance(doc, dict) or not doc.get("entries"):
+        return None
+    config = doc.get("pg_config")
+    broken = not isinstance(config, dict) or any(
+        not (isinstance(v, dict) and v.get("name")) for v in config.values())
+    if broken or not config:
+        doc["pg_config"] = {
+            g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))}
+            for g in rec.groups
+        }
+    with contextlib.suppress(Exception):
+        doc.setdefault("rank", rec.current_rank())
+    return pickle.dumps(doc, protocol=4)

@@ -1,0 +1,779 @@
+"""The hook: a Python ``ProcessGroup`` that records every op and forwards it.
+
+How it gets in (torch 2.13, see docs/recorder.md):
+
+* ``dist.Backend.register_backend("frforensics", creator, extended_api=True)``
+  makes a plugin whose creator returns a :class:`RecordingProcessGroup`;
+  ``_new_process_group_helper`` uses a returned ``ProcessGroup`` subclass as the
+  whole group.
+* PyTorch resolves the built-in names (``gloo``, ``nccl``, device maps) before it
+  looks at plugins, so :func:`install` wraps ``_new_process_group_helper``: for a
+  routed name it calls the original with the plugin name and hands the real
+  backend string to the creator, then puts the real name back into
+  ``_world.pg_map`` so ``dist.get_backend()`` (and ``monitored_barrier``, DDP's
+  backend checks) still see ``gloo``/``nccl``.
+* The wrapper holds one real backend per device type, registers each on itself
+  (C++ callers of non-virtual entry points still reach them) and dispatches
+  every Python-visible call by tensor device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch as _torch
+import torch.distributed as _dist
+from torch.distributed import distributed_c10d as _c10d
+
+from frforensics.recorder import _ring as R
+
+if TYPE_CHECKING:
+    from frforensics.recorder._core import Recorder
+
+# torch's stubs do not describe the private c10d surface this module drives.
+torch: Any = _torch
+dist: Any = _dist
+c10d: Any = _c10d
+
+log = logging.getLogger("frforensics.recorder")
+
+PLUGIN_NAME = "frforensics"
+
+_BackendType = dist.ProcessGroup.BackendType
+_TYPE_OF = {"gloo": _BackendType.GLOO, "nccl": _BackendType.NCCL}
+if hasattr(_BackendType, "XCCL"):
+    _TYPE_OF["xccl"] = _BackendType.XCCL
+
+_mono = time.monotonic_ns
+_get_ident = threading.get_ident
+_getframe = sys._getframe
+
+
+@dataclass
+class GroupRequest:
+    """What the patched helper knows about the group being made, for the creator."""
+
+    backend: str
+    backend_options: Any
+    group_desc: str
+    is_default: bool
+
+
+_request = threading.local()
+
+
+class GroupState:
+    """Per-group counters (PyTorch semantics) and identity, one per wrapper."""
+
+    __slots__ = (
+        "backend",
+        "block_id",
+        "block_p2p",
+        "desc",
+        "index",
+        "name",
+        "p2p_seq",
+        "ranks",
+        "recv_count",
+        "send_count",
+        "seq",
+        "timeout_ms",
+    )
+
+    def __init__(self, index: int, name: str, desc: str, ranks: tuple[int, ...],
+                 backend: str, timeout_ms: int) -> None:
+        self.index = index
+        self.name = name
+        self.desc = desc
+        self.ranks = ranks
+        self.backend = backend
+        self.timeout_ms = timeout_ms
+        self.seq = 0
+        self.p2p_seq = 0
+        self.send_count: dict[int, int] = {}
+        self.recv_count: dict[int, int] = {}
+        self.block_id = -1  # coalescing block in progress (-1: none)
+        self.block_p2p = -1  # -1 unknown yet, 0 collective block, 1 p2p block
+
+    def global_rank(self, group_rank: int) -> int:
+        ranks = self.ranks
+        return ranks[group_rank] if 0 <= group_rank < len(ranks) else -1
+
+
+def _as_list(tensors: Any) -> list[Any]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return list(tensors) if tensors is not None else []
+
+
+def _meta(tensors: Sequence[Any]) -> tuple[Any, ...]:
+    if len(tensors) == 1:
+        t = tensors[0]
+        return ((t.shape, t.dtype),)
+    return tuple((t.shape, t.dtype) for t in tensors)
+
+
+def _meta_nested(lists: Sequence[Sequence[Any]]) -> tuple[Any, ...]:
+    return tuple((t.shape, t.dtype) for sub in lists for t in sub)
+
+
+class RecordedWork(dist.Work):  # type: ignore[misc]
+    """Forwards to the real work and stamps completion at ``wait()``.
+
+    Used only for works that have no future (gloo reduce_scatter and p2p), whose
+    ``is_completed()`` stays False until somebody waits on them.
+    """
+
+    def __init__(self, inner: Any, entry: list[Any]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._entry = entry
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        entry = self._entry
+        try:
+            ok = bool(self._inner.wait(timeout)) if timeout else bool(self._inner.wait())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if entry[R.STATE] < R.COMPLETED:
+                    entry[R.T_COMPLETE] = _mono()
+                    entry[R.STATE] = R.FAILED
+            raise
+        if entry[R.STATE] < R.COMPLETED:
+            entry[R.T_COMPLETE] = _mono()
+            entry[R.STATE] = R.COMPLETED
+        return ok
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._inner.is_success())
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return int(self._inner.source_rank())
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+    def block_current_stream(self) -> None:
+        self._inner.block_current_stream()
+
+
+class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
+    """A process group that records each op into the recorder's ring, then forwards it."""
+
+    def __init__(self, recorder: Recorder, state: GroupState, rank: int, size: int,
+                 backends: dict[str, Any], default_device: str) -> None:
+        super().__init__(rank, size)
+        self._frf_rec = recorder
+        self._frf_state = state
+        self._frf_backends = backends
+        self._frf_default = backends[default_device]
+        self._frf_default_device = default_device
+        self._frf_single = len(backends) == 1
+
+    # ------------------------------------------------------------ plumbing
+
+    def _frf_inner(self, tensor: Any) -> Any:
+        if self._frf_single:
+            return self._frf_default
+        try:
+            return self._frf_backends[tensor.device.type]
+        except (AttributeError, KeyError):
+            return self._frf_default
+
+    def _frf_inner_for_device(self, device: Any) -> Any:
+        dtype = getattr(device, "type", device)
+        return self._frf_backends.get(str(dtype), self._frf_default)
+
+    def _frf_record(self, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...],
+                    reduce_op: Any, root: int, peer: int, is_p2p: bool,
+                    first: Any) -> list[Any] | None:
+        rec = self._frf_rec
+        if not rec.active:
+            return None
+        try:
+            st = self._frf_state
+            block = st.block_id
+            peer_seq = -1
+            if block < 0:
+                if is_p2p:
+                    st.p2p_seq += 1
+                else:
+                    st.seq += 1
+                seq = st.seq
+                p2p_seq = st.p2p_seq
+            else:  # inside a coalescing block: every op shares the closing seq
+                if st.block_p2p < 0:
+                    st.block_p2p = 1 if is_p2p else 0
+                if st.block_p2p:
+                    seq, p2p_seq = st.seq, st.p2p_seq + 1
+                else:
+                    seq, p2p_seq = st.seq + 1, st.p2p_seq
+            if is_p2p:
+                counts = st.send_count if op == "send" else st.recv_count
+                peer_seq = counts.get(peer, 0) + 1
+                counts[peer] = peer_seq
+            device = None
+            stream = -1
+            event = None
+            if first is not None and first.is_cuda:
+                device, stream, event = rec.cuda_info(first)
+            rid = rec.count
+            entry = [
+                rid, st.index, seq, p2p_seq, peer_seq, op, is_p2p, peer, root, block,
+                inputs, outputs, reduce_op, R.SCHEDULED, _mono(), 0, 0, st.timeout_ms,
+                _get_ident(), device, stream,
+                R.capture_stack(_getframe(2), rec.stack_depth, rec.frame_filter), event,
+            ]
+            ring = rec.ring
+            ring.slots[rid % ring.capacity] = entry
+            ring.count = rec.count = rid + 1
+            return entry
+        except Exception as exc:  # recording must never break the job
+            rec.note_error("record", exc)
+            return None
+
+    def _frf_track(self, entry: list[Any] | None, work: Any, wrap: bool) -> Any:
+        if entry is None or work is None:
+            return work
+        rec = self._frf_rec
+        try:
+            if wrap:
+                work = RecordedWork(work, entry)
+            rec.pending.append((entry, work))
+        except Exception as exc:
+            rec.note_error("track", exc)
+        return work
+
+    # ------------------------------------------------------------ collectives
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = _as_list(tensors)
+        if opts is None or not isinstance(opts, dist.AllreduceOptions):
+            op = opts
+            opts = dist.AllreduceOptions()
+            if op is not None:
+                opts.reduceOp = op
+        first = tensors[0] if tensors else None
+        meta = _meta(tensors)
+        entry = self._frf_record("all_reduce", meta, meta, opts.reduceOp, -1, -1, False, first)
+        return self._frf_track(entry, self._frf_inner(first).allreduce(tensors, opts), False)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = _as_list(tensors)
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        first = tensors[0] if tensors else None
+        meta = _meta(tensors)
+        entry = self._frf_record("all_reduce_coalesced", meta, meta, opts.reduceOp, -1, -1,
+                                 False, first)
+        inner = self._frf_inner(first).allreduce_coalesced(tensors, opts)
+        return self._frf_track(entry, inner, False)
+
+    def allgather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        input_tensors = _as_list(input_tensors)
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        first = input_tensors[0] if input_tensors else None
+        entry = self._frf_record("all_gather", _meta(input_tensors),
+                                 _meta_nested(output_tensors), None, -1, -1, False, first)
+        inner = self._frf_inner(first).allgather(output_tensors, input_tensors, opts)
+        return self._frf_track(entry, inner, False)
+
+    def _allgather_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        entry = self._frf_record("all_gather_into_tensor", ((input.shape, input.dtype),),
+                                 ((output.shape, output.dtype),), None, -1, -1, False, input)
+        inner = self._frf_inner(input)._allgather_base(output, input, opts)
+        return self._frf_track(entry, inner, False)
+
+    all_gather_single = _allgather_base
+
+    def allgather_coalesced(self, output_lists: Any, input_list: Any, opts: Any = None) -> Any:
+        input_list = _as_list(input_list)
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        first = input_list[0] if input_list else None
+        entry = self._frf_record("all_gather_coalesced", _meta(input_list),
+                                 _meta_nested(output_lists), None, -1, -1, False, first)
+        inner = self._frf_inner(first).allgather_coalesced(output_lists, input_list, opts)
+        return self._frf_track(entry, inner, False)
+
+    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        inputs = _as_list(inputs)
+        outputs = _as_list(outputs)
+        opts = opts if opts is not None else c10d.AllgatherOptions()
+        first = inputs[0] if inputs else None
+        entry = self._frf_record("all_gather_into_tensor_coalesced", _meta(inputs),
+                                 _meta(outputs), None, -1, -1, False, first)
+        inner_pg = self._frf_inner(first)
+        if hasattr(inner_pg, "allgather_into_tensor_coalesced"):
+            work = inner_pg.allgather_into_tensor_coalesced(outputs, inputs, opts)
+        else:  # gloo has no fused form: one _allgather_base per tensor, one work
+            work = _chain([inner_pg._allgather_base(o, i, opts)
+                           for o, i in zip(outputs, inputs, strict=True)])
+        return self._frf_track(entry, work, False)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = _as_list(tensors)
+        if opts is None or not isinstance(opts, dist.BroadcastOptions):
+            root = opts
+            opts = dist.BroadcastOptions()
+            if isinstance(root, int):
+                opts.rootRank = root
+        first = tensors[0] if tensors else None
+        meta = _meta(tensors)
+        root = self._frf_state.global_rank(opts.rootRank)
+        entry = self._frf_record("broadcast", meta, meta, None, root, -1, False, first)
+        return self._frf_track(entry, self._frf_inner(first).broadcast(tensors, opts), False)
+
+    def reduce(self, tensors: Any, opts: Any = None) -> Any:
+        tensors = _as_list(tensors)
+        opts = opts if opts is not None else dist.ReduceOptions()
+        first = tensors[0] if tensors else None
+        meta = _meta(tensors)
+        root = self._frf_state.global_rank(opts.rootRank)
+        entry = self._frf_record("reduce", meta, meta, opts.reduceOp, root, -1, False, first)
+        return self._frf_track(entry, self._frf_inner(first).reduce(tensors, opts), False)
+
+    def gather(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        input_tensors = _as_list(input_tensors)
+        opts = opts if opts is not None else dist.GatherOptions()
+        first = input_tensors[0] if input_tensors else None
+        root = self._frf_state.global_rank(opts.rootRank)
+        entry = self._frf_record("gather", _meta(input_tensors), _meta_nested(output_tensors),
+                                 None, root, -1, False, first)
+        inner = self._frf_inner(first).gather(output_tensors, input_tensors, opts)
+        return self._frf_track(entry, inner, False)
+
+    def scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        output_tensors = _as_list(output_tensors)
+        opts = opts if opts is not None else dist.ScatterOptions()
+        first = output_tensors[0] if output_tensors else None
+        root = self._frf_state.global_rank(opts.rootRank)
+        entry = self._frf_record("scatter", _meta_nested(input_tensors), _meta(output_tensors),
+                                 None, root, -1, False, first)
+        inner = self._frf_inner(first).scatter(output_tensors, input_tensors, opts)
+        return self._frf_track(entry, inner, False)
+
+    def reduce_scatter(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        output_tensors = _as_list(output_tensors)
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        first = output_tensors[0] if output_tensors else None
+        entry = self._frf_record("reduce_scatter", _meta_nested(input_tensors),
+                                 _meta(output_tensors), opts.reduceOp, -1, -1, False, first)
+        inner_pg = self._frf_inner(first)
+        work = inner_pg.reduce_scatter(output_tensors, input_tensors, opts)
+        return self._frf_track(entry, work, _no_future(inner_pg))
+
+    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        entry = self._frf_record("reduce_scatter_tensor", ((input.shape, input.dtype),),
+                                 ((output.shape, output.dtype),), opts.reduceOp, -1, -1,
+                                 False, input)
+        inner_pg = self._frf_inner(input)
+        work = inner_pg._reduce_scatter_base(output, input, opts)
+        return self._frf_track(entry, work, _no_future(inner_pg))
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Any:
+        inputs = _as_list(inputs)
+        outputs = _as_list(outputs)
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        first = inputs[0] if inputs else None
+        entry = self._frf_record("reduce_scatter_tensor_coalesced", _meta(inputs),
+                                 _meta(outputs), opts.reduceOp, -1, -1, False, first)
+        inner_pg = self._frf_inner(first)
+        if hasattr(inner_pg, "reduce_scatter_tensor_coalesced"):
+            work = inner_pg.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+        else:
+            work = _chain([inner_pg._reduce_scatter_base(o, i, opts)
+                           for o, i in zip(outputs, inputs, strict=True)])
+        return self._frf_track(entry, work, _no_future(inner_pg))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall_base(self, output: Any, input: Any, output_split_sizes: Any,
+                      input_split_sizes: Any, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        entry = self._frf_record("all_to_all_single", ((input.shape, input.dtype),),
+                                 ((output.shape, output.dtype),), None, -1, -1, False, input)
+        inner = self._frf_inner(input).alltoall_base(output, input, output_split_sizes,
+                                                     input_split_sizes, opts)
+        return self._frf_track(entry, inner, False)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors: Any, input_tensors: Any, opts: Any = None) -> Any:
+        input_tensors = _as_list(input_tensors)
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        first = input_tensors[0] if input_tensors else None
+        entry = self._frf_record("all_to_all", _meta(input_tensors), _meta(output_tensors),
+                                 None, -1, -1, False, first)
+        inner = self._frf_inner(first).alltoall(output_tensors, input_tensors, opts)
+        return self._frf_track(entry, inner, False)
+
+    def barrier(self, opts: Any = None) -> Any:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        entry = self._frf_record("barrier", (), (), None, -1, -1, False, None)
+        inner_pg = self._frf_default
+        if not self._frf_single and getattr(opts, "device", None) is not None:
+            inner_pg = self._frf_inner_for_device(opts.device)
+        return self._frf_track(entry, inner_pg.barrier(opts), False)
+
+    # ------------------------------------------------------------ p2p
+
+    def send(self, tensors: Any, dstRank: int, tag: int = 0) -> Any:
+        tensors = _as_list(tensors)
+        first = tensors[0] if tensors else None
+        peer = self._frf_state.global_rank(dstRank)
+        meta = _meta(tensors)
+        entry = self._frf_record("send", meta, meta, None, -1, peer, True, first)
+        inner_pg = self._frf_inner(first)
+        return self._frf_track(entry, inner_pg.send(tensors, dstRank, tag), _no_future(inner_pg))
+
+    def recv(self, tensors: Any, srcRank: int, tag: int = 0) -> Any:
+        tensors = _as_list(tensors)
+        first = tensors[0] if tensors else None
+        peer = self._frf_state.global_rank(srcRank)
+        meta = _meta(tensors)
+        entry = self._frf_record("recv", meta, meta, None, -1, peer, True, first)
+        inner_pg = self._frf_inner(first)
+        return self._frf_track(entry, inner_pg.recv(tensors, srcRank, tag), _no_future(inner_pg))
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
+        tensors = _as_list(tensors)
+        first = tensors[0] if tensors else None
+        meta = _meta(tensors)
+        entry = self._frf_record("recv_any_source", meta, meta, None, -1, -1, True, first)
+        inner_pg = self._frf_inner(first)
+        return self._frf_track(entry, inner_pg.recv_anysource(tensors, tag), _no_future(inner_pg))
+
+    # ------------------------------------------------------------ coalescing
+
+    def _start_coalescing(self, device: Any) -> None:
+        st = self._frf_state
+        rec = self._frf_rec
+        st.block_id = rec.next_block_id()
+        st.block_p2p = -1
+        self._frf_inner_for_device(device)._start_coalescing(device)
+
+    def _end_coalescing(self, device: Any) -> Any:
+        st = self._frf_state
+        inner_pg = self._frf_inner_for_device(device)
+        try:
+            work = inner_pg._end_coalescing(device)
+        finally:
+            block, kind = st.block_id, st.block_p2p
+            st.block_id = -1
+            st.block_p2p = -1
+        if block < 0 or kind < 0:
+            return work  # an empty block issues nothing
+        entry = self._frf_record_closing(block, bool(kind))
+        return self._frf_track(entry, work, False)
+
+    def _frf_record_closing(self, block: int, is_p2p: bool) -> list[Any] | None:
+        st = self._frf_state
+        if is_p2p:
+            st.p2p_seq += 1
+        else:
+            st.seq += 1
+        # Recorded like any op (same counters already advanced), outside a block.
+        rec = self._frf_rec
+        if not rec.active:
+            return None
+        try:
+            rid = rec.count
+            entry = [
+                rid, st.index, st.seq, st.p2p_seq, -1, "coalesced", is_p2p, -1, -1, block,
+                (), (), None, R.SCHEDULED, _mono(), 0, 0, st.timeout_ms, _get_ident(),
+                None, -1, R.capture_stack(_getframe(2), rec.stack_depth, rec.frame_filter),
+                None,
+            ]
+            ring = rec.ring
+            ring.slots[rid % ring.capacity] = entry
+            ring.count = rec.count = rid + 1
+            return entry
+        except Exception as exc:
+            rec.note_error("record", exc)
+            return None
+
+    # ------------------------------------------------------------ misc
+
+    def getBackendName(self) -> str:
+        return str(self._frf_default.name())
+
+    def _frf_describe(self) -> str:
+        st = self._frf_state
+        return f"{st.name} ({st.desc})"
+
+
+class _ChainedWork(dist.Work):  # type: ignore[misc]
+    """One work standing for several (gloo has no fused coalesced all_gather/reduce_scatter)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        for w in self._works:
+            if timeout:
+                w.wait(timeout)
+            else:
+                w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def exception(self) -> Any:
+        for w in self._works:
+            exc = w.exception()
+            if exc is not None:
+                return exc
+        return None
+
+    def synchronize(self) -> None:
+        for w in self._works:
+            w.synchronize()
+
+    def get_future(self) -> Any:
+        futures = [w.get_future() for w in self._works]
+        if len(futures) == 1:
+            return futures[0]
+        return torch.futures.collect_all(futures)
+
+
+def _chain(works: list[Any]) -> Any:
+    return works[0] if len(works) == 1 else _ChainedWork(works)
+
+
+def _no_future(inner_pg: Any) -> bool:
+    """True for backends whose reduce_scatter/p2p works have no future (gloo)."""
+    try:
+        return bool(inner_pg.name() == "gloo")
+    except Exception:
+        return False
+
+
+# ---------------------------------------------------------------- creation
+
+
+def _make_inner(backend: str, device: str, opts: Any, backend_options: Any,
+                prefix_store: Any, timeout: timedelta) -> Any:
+    store = dist.PrefixStore(f"{device}/", prefix_store)
+    ranks = list(opts.global_ranks_in_group)
+    if backend == "gloo":
+        pg = c10d.ProcessGroupGloo(store, opts.group_rank, opts.group_size, timeout=timeout)
+        pg.options.global_ranks_in_group = ranks
+        pg.options.group_name = opts.group_id
+        pg._set_sequence_number_for_group()
+        return pg
+    if backend == "nccl":
+        nccl_opts = backend_options
+        if nccl_opts is None or not isinstance(nccl_opts, c10d.ProcessGroupNCCL.Options):
+            nccl_opts = c10d.ProcessGroupNCCL.Options()
+            nccl_opts.is_high_priority_stream = False
+        nccl_opts._timeout = timeout
+        nccl_opts.global_ranks_in_group = ranks
+        nccl_opts.group_name = opts.group_id
+        with contextlib.suppress(Exception):
+            default = c10d._world.default_pg
+            if default is not None and not hasattr(nccl_opts, "_frf_nosplit"):
+                split_from = c10d._get_split_source(default)
+                if split_from is not None:
+                    nccl_opts.split_from = split_from
+                    nccl_opts.split_color = c10d._process_group_color(ranks)
+        pg = c10d.ProcessGroupNCCL(store, opts.group_rank, opts.group_size, nccl_opts)
+        pg._set_sequence_number_for_group()
+        return pg
+    # Any other backend (a plugin, xccl, ucc): the registered creator or class.
+    plugin = dist.Backend._plugins.get(backend.upper())
+    if plugin is not None:
+        if plugin.extended_api:
+            sub = c10d._DistributedBackendOptions()
+            sub.store = store
+            sub.group_rank = opts.group_rank
+            sub.group_size = opts.group_size
+            sub.timeout = timeout
+            sub.group_id = opts.group_id
+            sub.global_ranks_in_group = ranks
+            return plugin.creator_fn(sub, backend_options)
+        return plugin.creator_fn(store, opts.group_rank, opts.group_size, timeout)
+    raise RuntimeError(f"frforensics cannot wrap backend {backend!r}")
+
+
+def _device_map(backend: str) -> dict[str, str]:
+    config = c10d.BackendConfig(backend)
+    return {str(d): str(b) for d, b in config.get_device_backend_map().items()}
+
+
+def make_creator(recorder: Recorder) -> Callable[..., Any]:
+    """The plugin creator: builds the real backends and the recording wrapper."""
+
+    def creator(opts: Any, backend_options: Any = None) -> Any:
+        req: GroupRequest | None = getattr(_request, "value", None)
+        if req is None:  # someone asked for the plugin by name: wrap the device default
+            req = GroupRequest("undefined", backend_options, "", False)
+        timeout = opts.timeout if opts.timeout is not None else c10d.default_pg_timeout
+        prefix_store = getattr(opts.store, "underlying_store", None) or opts.store
+        dmap = _device_map(req.backend)
+        backends: dict[str, Any] = {}
+        by_name: dict[str, Any] = {}
+        for device, name in dmap.items():
+            if name not in by_name:
+                by_name[name] = _make_inner(name, device, opts, backend_options, prefix_store,
+                                            timeout)
+            backends[device] = by_name[name]
+        ranks = tuple(int(r) for r in opts.global_ranks_in_group) or tuple(
+            range(opts.group_size))
+        names = set(dmap.values())
+        default_device = "cuda" if "cuda" in backends and "nccl" in names else next(iter(backends))
+        state = recorder.new_group(
+            name=str(opts.group_id), desc=req.group_desc, ranks=ranks,
+            backend=req.backend, timeout_ms=int(timeout.total_seconds() * 1000),
+        )
+        pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, backends,
+                                   default_device)
+        for device, inner in backends.items():
+            btype = _TYPE_OF.get(dmap[device], _BackendType.CUSTOM)
+            pg._register_backend(torch.device(device), btype, inner)
+        pg._set_default_backend(_TYPE_OF.get(dmap[default_device], _BackendType.CUSTOM))
+        return pg
+
+    return creator
+
+
+# ---------------------------------------------------------------- routing
+
+
+_installed: dict[str, Any] = {}
+
+
+def _routes(recorder: Recorder, backend: Any) -> bool:
+    if not recorder.active or backend is None:
+        return False
+    name = str(backend).lower()
+    if name in ("", "undefined", PLUGIN_NAME, "fake", "mpi", "threaded"):
+        return False
+    try:
+        backends = set(_device_map(name).values())
+    except Exception:
+        return False
+    return bool(backends) and backends <= set(recorder.wrap_backends)
+
+
+def install(recorder: Recorder) -> None:
+    """Register the plugin and route built-in backend names through it (idempotent)."""
+    if PLUGIN_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(PLUGIN_NAME, make_creator_proxy, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    _installed["recorder"] = recorder
+    if "helper" in _installed:
+        return
+    original = c10d._new_process_group_helper
+    signature = inspect.signature(original)
+
+    def _new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+        rec = _installed.get("recorder")
+        try:
+            bound = signature.bind(*args, **kwargs)
+            backend = bound.arguments.get("backend")
+            route = rec is not None and _routes(rec, backend)
+        except Exception:
+            route = False
+        if not route or rec is None:
+            return original(*args, **kwargs)
+        is_default = c10d._world.default_pg is None
+        req = GroupRequest(
+            backend=str(backend),
+            backend_options=bound.arguments.get("backend_options"),
+            group_desc=str(bound.arguments.get("group_desc") or ""),
+            is_default=is_default,
+        )
+        bound.arguments["backend"] = PLUGIN_NAME
+        previous = getattr(_request, "value", None)
+        _request.value = req
+        try:
+            pg, prefix_store = original(*bound.args, **bound.kwargs)
+        finally:
+            _request.value = previous
+        if isinstance(pg, RecordingProcessGroup):
+            with contextlib.suppress(Exception):
+                c10d._world.pg_map[pg] = (str(backend), c10d._world.pg_map[pg][1])
+                c10d._world.pg_backend_config[pg] = str(c10d.BackendConfig(backend))
+            with contextlib.suppress(Exception):
+                pg._frf_state.name = str(pg.group_name)
+                pg._frf_state.desc = str(pg.group_desc)
+            if is_default:
+                rec.attach_store(bound.arguments.get("store"), pg.rank(), pg.size())
+        return pg, prefix_store
+
+    _new_process_group_helper.__wrapped__ = original  # type: ignore[attr-defined]
+    _installed["helper"] = original
+    c10d._new_process_group_helper = _new_process_group_helper
+
+    original_batch = c10d.batch_isend_irecv
+
+    def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
+        try:
+            group = p2p_op_list[0].group if p2p_op_list else None
+            if group is None and p2p_op_list:
+                group = c10d._get_default_group()
+            device = p2p_op_list[0].tensor.device if p2p_op_list else None
+            batched = isinstance(group, RecordingProcessGroup) and bool(
+                group._frf_inner_for_device(device).supports_coalescing)
+        except Exception:
+            batched = False
+        if not batched:
+            return original_batch(p2p_op_list)
+        # PyTorch batches only `type(group) is ProcessGroup`: keep NCCL p2p batched.
+        c10d._check_p2p_op_list(p2p_op_list)
+        with c10d._coalescing_manager(group, device, async_ops=True) as cm:
+            for p2p_op in p2p_op_list:
+                key = "group_dst" if p2p_op.op is c10d.isend else "group_src"
+                p2p_op.op(p2p_op.tensor, group=p2p_op.group, tag=p2p_op.tag,
+                          **{key: p2p_op.group_peer})
+        return cm.works
+
+    batch_isend_irecv.__wrapped__ = original_batch  # type: ignore[attr-defined]
+    _installed["batch"] = original_batch
+    c10d.batch_isend_irecv = batch_isend_irecv
+    if dist.batch_isend_irecv is original_batch:
+        dist.batch_isend_irecv = batch_isend_irecv
+
+
+def uninstall() -> None:
+    """Stop routing new groups (existing groups keep their wrapper, now recording nothing)."""
+    _installed.pop("recorder", None)
+
+
+def make_creator_proxy(opts: Any, backend_options: Any = None) -> Any:
+    """The creator registered with torch: forwards to the current recorder."""
+    rec = _installed.get("recorder")
+    if rec is None:
+        raise RuntimeError("frforensics backend requested but the recorder is not enabled")
+    return make_creator(rec)(opts, backend_options)

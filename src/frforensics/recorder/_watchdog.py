@@ -1,0 +1,248 @@
+"""The watchdog thread: completion stamps, deadlines, the store flag, heartbeats, signals.
+
+It runs while the main thread is blocked inside a backend (``work.wait()``
+releases the GIL), so it can see an op go overdue, dump, and tell the other
+ranks through the c10d store. Signals reach it at C level through
+``signal.set_wakeup_fd``: the interpreter writes the signal number into our
+pipe the moment the signal arrives, even though the Python-level handler will
+not run until the main thread leaves the blocking call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from frforensics.model import DumpReason
+from frforensics.recorder import _ring as R
+
+if TYPE_CHECKING:
+    from frforensics.recorder._core import Recorder
+
+_STORE_RETRY_S = 10.0
+
+
+class Watchdog(threading.Thread):
+    """One per process; a daemon thread that never raises."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__(name="frforensics-watchdog", daemon=True)
+        self.rec = rec
+        self.stop_event = threading.Event()
+        self.rfd, self.wfd = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.tracked: list[tuple[list[Any], Any]] = []
+        self.fired = False
+        self.answered = False
+        self.store_failures = 0
+        self.store_retry_at = 0.0
+        self.signals: set[int] = set()
+        self.wakeup_installed = False
+        self.previous_wakeup_fd = -1
+
+    # ------------------------------------------------------------ control
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.wfd, b"\0")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.wake()
+
+    def install_signals(self, signals: tuple[int, ...]) -> None:
+        """From the main thread: route ``signals`` to the watchdog at C level."""
+        if threading.current_thread() is not threading.main_thread() or not signals:
+            return
+        for sig in signals:
+            try:
+                if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                    signal.signal(sig, self._python_handler)
+                self.signals.add(int(sig))
+            except (OSError, ValueError, RuntimeError) as exc:
+                self.rec.note_error(f"signal {sig}", exc)
+        try:
+            previous = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+        except (ValueError, OSError) as exc:
+            self.rec.note_error("set_wakeup_fd", exc)
+            return
+        if previous not in (-1, self.wfd):
+            # Someone (asyncio, ...) owns the wakeup fd: give it back; our Python
+            # handler still dumps, but only once the main thread runs Python again.
+            with contextlib.suppress(Exception):
+                signal.set_wakeup_fd(previous)
+            self.rec.note_error("set_wakeup_fd", RuntimeError("wakeup fd already in use"))
+            return
+        self.wakeup_installed = True
+
+    def uninstall_signals(self) -> None:
+        if not self.wakeup_installed:
+            return
+        with contextlib.suppress(Exception):
+            if threading.current_thread() is threading.main_thread():
+                signal.set_wakeup_fd(-1)
+                self.wakeup_installed = False
+
+    def _python_handler(self, signum: int, frame: Any) -> None:
+        # Runs in the main thread, late. The watchdog already dumped from the
+        # wakeup fd when it could; dump here only when it could not.
+        if not self.wakeup_installed or not self.is_alive():
+            self.rec.dump(DumpReason.SIGNAL, f"signal {signum}")
+
+    # ------------------------------------------------------------ loop
+
+    def run(self) -> None:
+        rec = self.rec
+        poll = max(0.001, rec.config.poll_interval_s)
+        store_every = max(poll, rec.config.store_poll_interval_s)
+        next_store = 0.0
+        while not self.stop_event.is_set():
+            try:
+                readable, _, _ = select.select([self.rfd], [], [], poll)
+                if readable:
+                    self._drain_pipe()
+                self.poll_works()
+                now = time.monotonic()
+                if now >= next_store:
+                    next_store = now + store_every
+                    self.poll_store()
+            except Exception as exc:  # the thread must survive anything
+                rec.note_error("watchdog", exc)
+                time.sleep(poll)
+
+    def _drain_pipe(self) -> None:
+        try:
+            data = os.read(self.rfd, 512)
+        except (BlockingIOError, OSError):
+            return
+        for byte in data:
+            if byte and byte in self.signals:
+                name = signal.Signals(byte).name if byte in signal.Signals._value2member_map_ else str(byte)
+                self.rec.dump(DumpReason.SIGNAL, f"received {name}")
+
+    def poll_works(self) -> None:
+        """Stamp completions and start events; fire on the oldest overdue op."""
+        rec = self.rec
+        pending = rec.pending
+        tracked = self.tracked
+        while pending:
+            tracked.append(pending.popleft())
+        if not tracked:
+            return
+        now = time.monotonic_ns()
+        deadline_ns = int(rec.config.timeout_s * 1e9)
+        still: list[tuple[list[Any], Any]] = []
+        overdue: list[Any] | None = None
+        for item in tracked:
+            entry, work = item
+            state = entry[R.STATE]
+            if state >= R.COMPLETED:
+                continue
+            event = entry[R.START_EVENT]
+            if event is not None and state == R.SCHEDULED:
+                with contextlib.suppress(Exception):
+                    if event.query():
+                        entry[R.T_START] = now
+                        entry[R.STATE] = R.STARTED
+                        entry[R.START_EVENT] = None
+            # (Work.exception()/is_success() are deprecated and warn: failures are
+            # stamped by RecordedWork.wait() where the backend raises.)
+            try:
+                done = bool(work.is_completed())
+                failed = False
+            except Exception:
+                done, failed = True, True
+            if done:
+                if entry[R.STATE] < R.COMPLETED:
+                    entry[R.T_COMPLETE] = now
+                    entry[R.STATE] = R.FAILED if failed else R.COMPLETED
+                continue
+            still.append(item)
+            if overdue is None and now - entry[R.T_ENQUEUE] > deadline_ns:
+                overdue = entry
+        self.tracked = still
+        if overdue is not None and not self.fired:
+            self.fired = True
+            self.on_overdue(overdue, now)
+
+    def on_overdue(self, entry: list[Any], now: int) -> None:
+        rec = self.rec
+        group = rec.groups[entry[R.GROUP]] if 0 <= entry[R.GROUP] < len(rec.groups) else None
+        age = (now - entry[R.T_ENQUEUE]) / 1e9
+        seq_kind = "p2p" if entry[R.IS_P2P] else "collective"
+        seq = entry[R.P2P_SEQ] if entry[R.IS_P2P] else entry[R.SEQ]
+        gname = group.name if group else "?"
+        gdesc = group.desc if group else ""
+        detail = (f"{entry[R.OP]} {seq_kind} seq {seq} on pg {gname} ({gdesc}) unfinished "
+                  f"after {age:.1f} s (deadline {rec.config.timeout_s:g} s)")
+        rec.dump(DumpReason.WATCHDOG_TIMEOUT, detail, automatic=True)
+        payload = {
+            "rank": rec.current_rank(), "pg": gname, "desc": gdesc, "op": entry[R.OP],
+            "seq": seq, "seq_kind": seq_kind, "age_s": round(age, 3), "time_ns": time.time_ns(),
+        }
+        if self._store_usable():
+            try:
+                rec.raise_flag(payload)
+                self.store_failures = 0
+            except Exception as exc:
+                self._store_failed(exc)
+
+    def poll_store(self) -> None:
+        if not self._store_usable() or self.torn_down():
+            return
+        rec = self.rec
+        try:
+            rec.heartbeat()
+            if not self.answered and not rec.flag_raised:
+                payload = rec.poll_flag()
+                if payload is not None:
+                    self.answer_flag(payload)
+            self.store_failures = 0
+        except Exception as exc:
+            self._store_failed(exc)
+
+    def answer_flag(self, payload: str) -> None:
+        self.answered = True
+        rec = self.rec
+        try:
+            info = json.loads(payload)
+            detail = (f"rank {info.get('rank')} saw {info.get('op')} {info.get('seq_kind')} seq "
+                      f"{info.get('seq')} on pg {info.get('pg')} ({info.get('desc')}) unfinished "
+                      f"after {info.get('age_s')} s")
+        except (ValueError, AttributeError):
+            detail = f"peer raised the dump flag: {payload[:200]}"
+        rec.dump(DumpReason.PEER_SIGNAL, detail, automatic=True)
+
+    def torn_down(self) -> bool:
+        """True once the default group was destroyed (healthy teardown: stop using the store)."""
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            return c10d._world.default_pg is None
+        except Exception:
+            return False
+
+    def _store_usable(self) -> bool:
+        rec = self.rec
+        if rec.store is None:
+            return False
+        if rec.store_dead:
+            if time.monotonic() < self.store_retry_at:
+                return False
+            rec.store_dead = False  # try the store again
+        return True
+
+    def _store_failed(self, exc: BaseException) -> None:
+        rec = self.rec
+        self.store_failures += 1
+        rec.note_error("store", exc)
+        if self.store_failures >= 1:
+            rec.store_dead = True
+            self.store_retry_at = time.monotonic() + _STORE_RETRY_S
