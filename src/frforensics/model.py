@@ -15,6 +15,7 @@ unless a name says ``group_rank``.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -206,7 +207,7 @@ class EntryTable:
         return int(self.record_id.shape[0])
 
     @classmethod
-    def from_columns(cls, n: int, columns: dict[str, npt.ArrayLike]) -> EntryTable:
+    def from_columns(cls, n: int, columns: Mapping[str, npt.ArrayLike]) -> EntryTable:
         """Build a table of ``n`` rows; absent columns get their default value.
 
         Raises ``ValueError`` when a column has the wrong length.

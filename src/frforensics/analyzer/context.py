@@ -1,0 +1,55 @@
+"""What every detector sees: the merged job, the wait graph, the options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from frforensics.analyzer.merge import JobModel
+from frforensics.analyzer.waits import Wait, WaitGraph
+from frforensics.report import GroupRef, format_ranks
+
+__all__ = ["AnalyzeOptions", "Context"]
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyzeOptions:
+    """Knobs of an analysis (library callers pass values, never CLI objects).
+
+    ``hang_after_s``: an unfinished op younger than this at dump time is taken as
+    in flight, not hung (applies only where the dump time is known).
+    ``world_size``: the job's size when the dumps do not say (native dumps).
+    """
+
+    world_size: int | None = None
+    hang_after_s: float = 1.0
+    max_findings_per_kind: int = 20
+
+
+@dataclass(slots=True)
+class Context:
+    """Shared input of the detectors."""
+
+    job: JobModel
+    graph: WaitGraph
+    options: AnalyzeOptions
+    desynced: set[tuple[int, int]] = field(default_factory=set)  # (gid, seq) with a mismatch
+    mismatches: list[Any] | None = None  # computed once, shared by the mismatch detectors
+
+    def pg(self, gid: int) -> GroupRef:
+        return self.job.groups[gid].ref()
+
+    def pg_label(self, gid: int) -> str:
+        return self.pg(gid).label()
+
+    def describe(self, wait: Wait) -> str:
+        """``'all_reduce #12 on default_pg (ranks 0-3)'``."""
+        number = f"#{wait.seq}" if wait.seq_kind == "collective" else f"(p2p #{wait.seq})"
+        peer = ""
+        if wait.seq_kind == "p2p" and wait.detail is not None and wait.detail.peer >= 0:
+            peer = f" {'to' if wait.op == 'send' else 'from'} rank {wait.detail.peer}"
+        return f"{wait.op}{peer} {number} on {self.pg_label(wait.gid)}"
+
+    @staticmethod
+    def ranks(ranks: list[int] | tuple[int, ...] | set[int]) -> str:
+        return format_ranks(sorted(ranks))

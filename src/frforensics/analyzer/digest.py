@@ -1,0 +1,269 @@
+"""Per-rank digest: what the cross-rank analysis needs of one dump, compactly.
+
+A :class:`RankDigest` is computed where the dump is decoded (in a worker process),
+so the full ring — shapes, stacks of every entry — never crosses a process
+boundary or stays in memory. It keeps:
+
+* every entry's matching columns (group, seq, op/dtype hashes, the size that
+  must agree across members, state, times), as numpy arrays; string ids are
+  replaced by stable 32-bit hashes of the strings so digests of different ranks
+  compare without a shared string table;
+* full :class:`EntryDetail` records for the entries a report can talk about:
+  every unfinished entry plus the last ``tail`` entries.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from frforensics.model import (
+    DeathInfo,
+    Frame,
+    GroupInfo,
+    OpState,
+    PeerHeartbeat,
+    RankTrace,
+    ThreadStack,
+)
+
+__all__ = ["EntryDetail", "RankDigest", "digest", "str_hash", "user_frame"]
+
+DEFAULT_TAIL: Final = 32
+
+# Ops whose input size differs legitimately between members (uneven splits, or
+# the input lives on the root only): their size is not compared across ranks.
+_SIZE_FROM_OUTPUT: Final = frozenset({"scatter"})
+_SIZE_UNCHECKED: Final = frozenset(
+    {"all_to_all", "all_to_all_single", "alltoall", "gather", "barrier", "coalesced", ""}
+)
+
+# Frames inside these paths are library plumbing, not the user's code.
+_LIBRARY_MARKERS: Final = (
+    "/torch/distributed/",
+    "/torch/nn/parallel/",
+    "/torch/utils/",
+    "/torch/_",
+    "frforensics/recorder",
+    "/site-packages/torch/",
+    "<frozen ",
+)
+
+
+def str_hash(s: str) -> int:
+    """A stable 32-bit hash of a string (the same in every process)."""
+    return zlib.crc32(s.encode("utf-8", "surrogatepass"))
+
+
+def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    """The innermost frame in the user's code (outside torch and frforensics)."""
+    for frame in frames:
+        if not any(marker in frame.file for marker in _LIBRARY_MARKERS):
+            return frame
+    return frames[0] if frames else None
+
+
+@dataclass(frozen=True, slots=True)
+class EntryDetail:
+    """One entry with every field resolved to text, for reports."""
+
+    row: int
+    record_id: int
+    group: int
+    seq: int
+    p2p_seq: int
+    peer_seq: int
+    op: str
+    is_p2p: bool
+    peer: int
+    root: int
+    in_shapes: str
+    out_shapes: str
+    in_dtypes: str
+    out_dtypes: str
+    reduce_op: str
+    state: OpState
+    t_enqueue_ns: int
+    t_start_ns: int
+    t_complete_ns: int
+    timeout_ms: int
+    thread: str
+    frames: tuple[Frame, ...]
+
+    @property
+    def location(self) -> str | None:
+        """``file:line in function`` of the user's call site, if recorded."""
+        frame = user_frame(self.frames)
+        return None if frame is None else str(frame)
+
+
+I8 = npt.NDArray[np.int64]
+I4 = npt.NDArray[np.int32]
+U4 = npt.NDArray[np.uint32]
+U1 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
+class RankDigest:
+    """The compact, analyzable form of one rank's dump (see module doc)."""
+
+    rank: int
+    rank_from: str
+    source: str
+    format: str
+    version: str
+    world_size: int | None
+    host: str | None
+    pid: int | None
+    dump_reason: str
+    dump_detail: str
+    dump_time_ns: int | None
+    completion_resolution_ns: int
+    dropped: int
+    groups: tuple[GroupInfo, ...]
+    threads: tuple[ThreadStack, ...]
+    stale_peers: tuple[PeerHeartbeat, ...]
+    death: DeathInfo | None
+    notes: tuple[str, ...]
+    # matching columns, one row per entry, oldest first
+    group: I4
+    seq: I8
+    p2p_seq: I8
+    peer_seq: I8
+    is_p2p: U1
+    peer: I4
+    op_hash: U4
+    dtype_hash: U4
+    size: I8  # the numel that must agree across members (-1: not compared)
+    state: U1
+    t_enqueue_ns: I8
+    t_complete_ns: I8
+    timeout_ms: I8
+    first_record_id: int
+    op_names: dict[int, str]
+    details: dict[int, EntryDetail]
+
+    def __len__(self) -> int:
+        return int(self.seq.shape[0])
+
+    @property
+    def newest_time_ns(self) -> int:
+        """Newest timestamp in this dump (enqueue or completion), 0 if none."""
+        newest = 0
+        if len(self):
+            newest = max(int(self.t_enqueue_ns.max()), int(self.t_complete_ns.max()))
+        return max(newest, self.dump_time_ns or 0)
+
+    def detail(self, row: int) -> EntryDetail | None:
+        """Full detail of entry ``row`` when the digest kept it."""
+        return self.details.get(row)
+
+    def pending_rows(self) -> npt.NDArray[np.intp]:
+        """Rows of entries that had not completed (oldest first)."""
+        return np.flatnonzero(self.state < OpState.COMPLETED)
+
+    def stuck_at(self) -> str | None:
+        """Where the main thread was at dump time (user frame), if known."""
+        for thread in self.threads:
+            if thread.is_main:
+                frame = user_frame(thread.frames)
+                return None if frame is None else str(frame)
+        return None
+
+
+def _detail(trace: RankTrace, row: int) -> EntryDetail:
+    e = trace.entries
+    s = trace.string
+    return EntryDetail(
+        row=row,
+        record_id=int(e.record_id[row]),
+        group=int(e.pg[row]),
+        seq=int(e.seq[row]),
+        p2p_seq=int(e.p2p_seq[row]),
+        peer_seq=int(e.peer_seq[row]),
+        op=s(int(e.op[row])),
+        is_p2p=bool(e.is_p2p[row]),
+        peer=int(e.peer[row]),
+        root=int(e.root[row]),
+        in_shapes=s(int(e.in_shapes[row])),
+        out_shapes=s(int(e.out_shapes[row])),
+        in_dtypes=s(int(e.in_dtypes[row])),
+        out_dtypes=s(int(e.out_dtypes[row])),
+        reduce_op=s(int(e.reduce_op[row])),
+        state=OpState(int(e.state[row])),
+        t_enqueue_ns=int(e.t_enqueue_ns[row]),
+        t_start_ns=int(e.t_start_ns[row]),
+        t_complete_ns=int(e.t_complete_ns[row]),
+        timeout_ms=int(e.timeout_ms[row]),
+        thread=s(int(e.thread[row])),
+        frames=trace.stack(int(e.stack[row])),
+    )
+
+
+def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDigest:
+    """Reduce ``trace`` to its :class:`RankDigest` (``rank`` already resolved)."""
+    e = trace.entries
+    n = len(e)
+    hashes = np.fromiter((str_hash(x) for x in trace.strings), dtype=np.uint32,
+                         count=len(trace.strings))
+    lookup = np.append(hashes, np.uint32(0))  # index -1 (NO_INDEX) -> hash 0
+
+    def hashed(col: npt.NDArray[np.int32]) -> U4:
+        idx = np.where((col >= 0) & (col < len(hashes)), col, len(hashes))
+        return lookup[idx]
+
+    op_hash = hashed(e.op)
+    size = e.in_numel.copy()
+    op_names: dict[int, str] = {}
+    for i in np.unique(e.op).tolist():
+        name = trace.string(int(i))
+        op_names[str_hash(name) if name else 0] = name
+        if name in _SIZE_FROM_OUTPUT:
+            size[e.op == i] = e.out_numel[e.op == i]
+        elif name in _SIZE_UNCHECKED:
+            size[e.op == i] = -1
+    size[e.is_p2p.astype(bool)] = -1
+
+    keep = set(range(max(0, n - tail), n))
+    keep.update(np.flatnonzero(e.state < OpState.COMPLETED).tolist())
+    details = {row: _detail(trace, row) for row in sorted(keep)}
+    return RankDigest(
+        rank=rank,
+        rank_from=trace.rank_from,
+        source=trace.source,
+        format=trace.format.value,
+        version=trace.version,
+        world_size=trace.world_size,
+        host=trace.host,
+        pid=trace.pid,
+        dump_reason=trace.dump_reason.value,
+        dump_detail=trace.dump_detail,
+        dump_time_ns=trace.dump_time_ns,
+        completion_resolution_ns=trace.completion_resolution_ns,
+        dropped=trace.dropped,
+        groups=trace.groups,
+        threads=trace.threads,
+        stale_peers=trace.stale_peers,
+        death=trace.death,
+        notes=trace.notes,
+        group=np.ascontiguousarray(e.pg),
+        seq=np.ascontiguousarray(e.seq),
+        p2p_seq=np.ascontiguousarray(e.p2p_seq),
+        peer_seq=np.ascontiguousarray(e.peer_seq),
+        is_p2p=np.ascontiguousarray(e.is_p2p),
+        peer=np.ascontiguousarray(e.peer),
+        op_hash=op_hash,
+        dtype_hash=hashed(e.in_dtypes),
+        size=size,
+        state=np.ascontiguousarray(e.state),
+        t_enqueue_ns=np.ascontiguousarray(e.t_enqueue_ns),
+        t_complete_ns=np.ascontiguousarray(e.t_complete_ns),
+        timeout_ms=np.ascontiguousarray(e.timeout_ms),
+        first_record_id=int(e.record_id[0]) if n else 0,
+        op_names=op_names,
+        details=details,
+    )

@@ -1,0 +1,228 @@
+"""Merge every rank's digest into one job: global groups, windows, frontiers.
+
+Process groups are identified across ranks by name *and* members: hashed names
+may be shared by groups with different members, so ``(name, ranks)`` is the key.
+Where a dump does not say the members (PyTorch's gloo dumps never do), they are
+inferred: the default group holds every rank of the job; another group holds the
+ranks whose dumps name it (a rank that never used the group is then invisible,
+which the report says).
+
+Each rank's ring may have evicted its oldest entries, so ranks' windows on one
+group start at different seqs; a rank is known to have *not entered* collective
+``s`` of a group only when its window covers that group up to its end and its
+newest seq there is below ``s``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from frforensics.analyzer.digest import RankDigest, str_hash
+from frforensics.model import GroupInfo, OpState
+from frforensics.report import GroupRef
+
+__all__ = ["Group", "JobModel", "build_job"]
+
+SEND_HASH = str_hash("send")
+RECV_HASH = str_hash("recv")
+
+
+@dataclass(slots=True)
+class Group:
+    """A process group across the job."""
+
+    gid: int
+    name: str
+    desc: str
+    ranks: tuple[int, ...]
+    ranks_known: bool
+    local: dict[int, int] = field(default_factory=dict)  # rank -> index in its digest
+
+    def ref(self) -> GroupRef:
+        return GroupRef(self.name, self.desc, self.ranks)
+
+    @property
+    def is_default(self) -> bool:
+        return self.desc == "default_pg"
+
+
+@dataclass(slots=True)
+class _RankGroupView:
+    coll_rows: npt.NDArray[np.intp]
+    p2p_rows: npt.NDArray[np.intp]
+    min_seq: int
+    max_seq: int
+
+
+@dataclass(slots=True)
+class JobModel:
+    """The merged job: digests by rank, global groups, and per-rank views."""
+
+    digests: dict[int, RankDigest]
+    world: tuple[int, ...]
+    world_size: int | None
+    groups: list[Group]
+    group_of: dict[tuple[int, int], int]
+    notes: list[str]
+    now_known: bool
+    _views: dict[tuple[int, int], _RankGroupView] = field(default_factory=dict)
+
+    @property
+    def missing_dumps(self) -> list[int]:
+        return [r for r in self.world if r not in self.digests]
+
+    def view(self, rank: int, gid: int) -> _RankGroupView | None:
+        """Rows of ``rank``'s digest in group ``gid`` (None if it has none)."""
+        key = (rank, gid)
+        cached = self._views.get(key)
+        if cached is not None:
+            return cached
+        d = self.digests.get(rank)
+        local = self.groups[gid].local.get(rank)
+        if d is None or local is None:
+            return None
+        in_group = d.group == local
+        p2p = d.is_p2p.astype(bool)
+        coll_rows = np.flatnonzero(in_group & ~p2p)
+        p2p_rows = np.flatnonzero(in_group & p2p)
+        seqs = d.seq[coll_rows]
+        view = _RankGroupView(
+            coll_rows=coll_rows,
+            p2p_rows=p2p_rows,
+            min_seq=int(seqs.min()) if len(seqs) else 0,
+            max_seq=int(seqs.max()) if len(seqs) else 0,
+        )
+        self._views[key] = view
+        return view
+
+    def window_evicted(self, rank: int) -> bool:
+        """True when ``rank``'s ring lost its oldest entries."""
+        d = self.digests[rank]
+        return d.dropped > 0 or d.first_record_id > 0
+
+    def entered(self, rank: int, gid: int, seq: int, *, issued_ns: int) -> str:
+        """Whether ``rank`` entered collective ``seq`` of ``gid``.
+
+        Returns ``'entered'``, ``'completed'``, ``'not_entered'``, ``'passed'``
+        (evicted from its window, so done long ago) or ``'unknown'``.
+        ``issued_ns`` is when the asking rank issued it (for evicted windows).
+        """
+        view = self.view(rank, gid)
+        d = self.digests[rank]
+        if view is None or len(view.coll_rows) == 0:
+            if self.window_evicted(rank) and len(d) and issued_ns and \
+                    int(d.t_enqueue_ns[0]) > issued_ns:
+                return "unknown"
+            return "not_entered"
+        if seq > view.max_seq:
+            return "not_entered"
+        if seq < view.min_seq:
+            return "passed"
+        rows = view.coll_rows[d.seq[view.coll_rows] == seq]
+        if len(rows) == 0:
+            return "unknown"
+        return "completed" if int(d.state[rows].min()) >= OpState.COMPLETED else "entered"
+
+    def age_s(self, rank: int, row: int) -> float | None:
+        """How long entry ``row`` of ``rank`` had been waiting at dump time."""
+        d = self.digests[rank]
+        if not d.dump_time_ns or not int(d.t_enqueue_ns[row]):
+            return None
+        return max(0.0, (d.dump_time_ns - int(d.t_enqueue_ns[row])) / 1e9)
+
+
+def _default_like(info: GroupInfo) -> bool:
+    return info.desc == "default_pg"
+
+
+def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) -> JobModel:
+    """Merge ``digests`` into a :class:`JobModel`."""
+    notes: list[str] = []
+    sizes = {d.world_size for d in digests.values() if d.world_size}
+    for d in digests.values():
+        for g in d.groups:
+            if _default_like(g) and g.ranks:
+                sizes.add(len(g.ranks))
+    known_size = world_size or (max(sizes) if sizes else None)
+    if world_size is None and len(sizes) > 1:
+        notes.append(f"dumps disagree on the world size ({sorted(sizes)}); using {known_size}")
+    highest = max(digests) if digests else -1
+    if known_size is None:
+        world = tuple(range(highest + 1))
+        notes.append(
+            "world size unknown (native dumps do not record it): ranks above "
+            f"{highest} would be invisible; pass --world-size to check for them"
+        )
+    else:
+        world = tuple(range(max(known_size, highest + 1)))
+
+    # Key groups by (name, members); unknown members are resolved below.
+    known: dict[tuple[str, tuple[int, ...]], Group] = {}
+    unknown: dict[str, list[tuple[int, int, GroupInfo]]] = defaultdict(list)
+    for rank, d in sorted(digests.items()):
+        for local, info in enumerate(d.groups):
+            if info.ranks is not None:
+                key = (info.name, info.ranks)
+                group = known.get(key)
+                if group is None:
+                    group = known[key] = Group(-1, info.name, info.desc, info.ranks, True)
+                group.local[rank] = local
+                if not group.desc and info.desc:
+                    group.desc = info.desc
+            else:
+                unknown[info.name].append((rank, local, info))
+
+    groups: list[Group] = list(known.values())
+    inferred: list[str] = []
+    for name, uses in unknown.items():
+        by_name = [g for g in groups if g.name == name]
+        leftovers = []
+        for rank, local, info in uses:
+            homes = [g for g in by_name if rank in g.ranks]
+            if len(homes) == 1:
+                homes[0].local.setdefault(rank, local)
+            else:
+                leftovers.append((rank, local, info))
+        if not leftovers:
+            continue
+        descs = {info.desc for _, _, info in leftovers if info.desc}
+        desc = "default_pg" if "default_pg" in descs else (sorted(descs)[0] if descs else "")
+        if desc == "default_pg":
+            members = world
+        else:
+            members = tuple(sorted({rank for rank, _, _ in leftovers}))
+            inferred.append(name)
+        group = Group(-1, name, desc, members, False)
+        for rank, local, _ in leftovers:
+            group.local[rank] = local
+        groups.append(group)
+    if inferred:
+        notes.append(
+            "group membership not in the dumps (gloo) for group(s) "
+            f"{', '.join(sorted(inferred)[:8])}: inferred from which ranks' dumps name them"
+        )
+    groups.sort(key=lambda g: (not g.is_default, g.name, g.ranks))
+    group_of: dict[tuple[int, int], int] = {}
+    for gid, group in enumerate(groups):
+        group.gid = gid
+        for rank, local in group.local.items():
+            group_of[(rank, local)] = gid
+    now_known = bool(digests) and all(d.dump_time_ns for d in digests.values())
+    if digests and not now_known:
+        notes.append(
+            "dump time unknown for some ranks (native dumps do not record it): "
+            "every unfinished op is treated as a wait, and timeouts cannot be judged exactly"
+        )
+    return JobModel(
+        digests=digests,
+        world=world,
+        world_size=known_size,
+        groups=groups,
+        group_of=group_of,
+        notes=notes,
+        now_known=now_known,
+    )

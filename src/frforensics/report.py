@@ -1,0 +1,267 @@
+"""The analysis report: what ``fr-analyze`` says, as data (DESIGN §3).
+
+Reporters (text, JSON, markdown, HTML, JUnit) render a :class:`Report`; none of
+them decides anything. ``Report.to_json()`` is the public contract
+``frforensics.report/1`` that orchestrators parse.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+__all__ = [
+    "KIND_SEVERITY",
+    "SCHEMA",
+    "Finding",
+    "FindingKind",
+    "GroupRef",
+    "LoadProblem",
+    "RankFacts",
+    "Report",
+    "Severity",
+    "Status",
+    "format_ranks",
+]
+
+SCHEMA: Final = "frforensics.report/1"
+
+
+class Severity(str, enum.Enum):
+    """How bad a finding is: errors make the exit code 1."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+class Status(str, enum.Enum):
+    """The job's overall verdict, from the most severe finding."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    HANG = "hang"
+    DESYNC = "desync"
+    UNREADABLE = "unreadable"
+
+
+class FindingKind(str, enum.Enum):
+    """Finding kinds; their meaning is part of the contract."""
+
+    MISSING_DUMP = "missing_dump"
+    MISSING_RANK = "missing_rank"
+    OP_MISMATCH = "op_mismatch"
+    SIZE_MISMATCH = "size_mismatch"
+    DTYPE_MISMATCH = "dtype_mismatch"
+    P2P_DEADLOCK = "p2p_deadlock"
+    CROSS_PG_DEADLOCK = "cross_pg_deadlock"
+    TIMEOUT = "timeout"
+    STRAGGLER = "straggler"
+    DEAD_RANK = "dead_rank"
+
+
+#: The status a finding of each kind implies, at error severity.
+KIND_STATUS: Final = {
+    FindingKind.OP_MISMATCH: Status.DESYNC,
+    FindingKind.SIZE_MISMATCH: Status.DESYNC,
+    FindingKind.DTYPE_MISMATCH: Status.DESYNC,
+    FindingKind.MISSING_RANK: Status.HANG,
+    FindingKind.TIMEOUT: Status.HANG,
+    FindingKind.P2P_DEADLOCK: Status.HANG,
+    FindingKind.CROSS_PG_DEADLOCK: Status.HANG,
+    FindingKind.DEAD_RANK: Status.HANG,
+    FindingKind.MISSING_DUMP: Status.HANG,
+    FindingKind.STRAGGLER: Status.DEGRADED,
+}
+
+#: Default severity per kind (``missing_dump`` is an error only with waiters).
+KIND_SEVERITY: Final = {
+    kind: (Severity.WARNING if kind is FindingKind.STRAGGLER else Severity.ERROR)
+    for kind in FindingKind
+}
+
+_STATUS_ORDER: Final = [Status.HEALTHY, Status.DEGRADED, Status.HANG, Status.DESYNC]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRef:
+    """A process group in a report: name, description and global member ranks."""
+
+    name: str
+    desc: str
+    ranks: tuple[int, ...] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "desc": self.desc,
+                "ranks": None if self.ranks is None else list(self.ranks)}
+
+    def label(self) -> str:
+        """``'default_pg (name 0, ranks 0-3)'``-style label for humans."""
+        desc = self.desc if self.desc and self.desc != "undefined" else f"group {self.name}"
+        members = "ranks unknown" if self.ranks is None else f"ranks {format_ranks(self.ranks)}"
+        if desc == f"group {self.name}":
+            return f"{desc} ({members})"
+        return f"{desc} (name {self.name}, {members})"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One thing wrong (or worth a warning), with the ranks it concerns."""
+
+    kind: FindingKind
+    severity: Severity
+    message: str
+    culprit_ranks: tuple[int, ...] = ()
+    waiting_ranks: tuple[int, ...] = ()
+    pg: GroupRef | None = None
+    seq: int | None = None
+    seq_kind: str | None = None
+    op: str | None = None
+    location: str | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def status(self) -> Status:
+        """The job status this finding implies."""
+        if self.severity is not Severity.ERROR:
+            return Status.DEGRADED if self.severity is Severity.WARNING else Status.HEALTHY
+        return KIND_STATUS[self.kind]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "severity": self.severity.value,
+            "culprit_ranks": list(self.culprit_ranks),
+            "waiting_ranks": list(self.waiting_ranks),
+            "pg": None if self.pg is None else self.pg.to_json(),
+            "seq": self.seq,
+            "seq_kind": self.seq_kind,
+            "op": self.op,
+            "location": self.location,
+            "message": self.message,
+            "evidence": dict(self.evidence),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RankFacts:
+    """What is known about one rank (JSON ``ranks[str(rank)]``)."""
+
+    rank: int
+    host: str | None = None
+    pid: int | None = None
+    dump_reason: str | None = None
+    stuck_at: str | None = None
+    blocked_in: str | None = None
+    source: str | None = None
+    format: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "host": self.host,
+            "pid": self.pid,
+            "dump_reason": self.dump_reason,
+            "stuck_at": self.stuck_at,
+        }
+        if self.blocked_in is not None:
+            out["blocked_in"] = self.blocked_in
+        if self.source is not None:
+            out["source"] = self.source
+        if self.format is not None:
+            out["format"] = self.format
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProblem:
+    """A file that could not be used (the analysis went on without it)."""
+
+    path: str
+    error: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "error": self.error}
+
+
+def _worst(statuses: Iterable[Status]) -> Status:
+    worst = Status.HEALTHY
+    for s in statuses:
+        if s in _STATUS_ORDER and _STATUS_ORDER.index(s) > _STATUS_ORDER.index(worst):
+            worst = s
+    return worst
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """The verdict on one job's dumps."""
+
+    world_size: int | None
+    ranks_loaded: tuple[int, ...]
+    ranks_missing: tuple[int, ...]
+    culprit_ranks: tuple[int, ...]
+    ranks: Mapping[int, RankFacts]
+    findings: tuple[Finding, ...]
+    load_problems: tuple[LoadProblem, ...] = ()
+    notes: tuple[str, ...] = ()
+    unreadable: bool = False
+
+    @property
+    def status(self) -> Status:
+        """Most severe of the findings: desync > hang > degraded > healthy."""
+        if self.unreadable:
+            return Status.UNREADABLE
+        statuses = [f.status for f in self.findings]
+        if self.load_problems:
+            statuses.append(Status.DEGRADED)
+        return _worst(statuses)
+
+    @property
+    def has_errors(self) -> bool:
+        return any(f.severity is Severity.ERROR for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        """0 no error finding, 1 at least one, 2 nothing readable."""
+        if self.unreadable:
+            return 2
+        return 1 if self.has_errors else 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``frforensics.report/1`` document."""
+        return {
+            "schema": SCHEMA,
+            "status": self.status.value,
+            "world_size": self.world_size,
+            "ranks_loaded": list(self.ranks_loaded),
+            "ranks_missing": list(self.ranks_missing),
+            "culprit_ranks": list(self.culprit_ranks),
+            "ranks": {str(r): facts.to_json() for r, facts in sorted(self.ranks.items())},
+            "findings": [f.to_json() for f in self.findings],
+            "load_problems": [p.to_json() for p in self.load_problems],
+            "notes": list(self.notes),
+        }
+
+
+def format_ranks(ranks: Sequence[int] | Iterable[int], *, limit: int = 12) -> str:
+    """Compact rank list: ``[0,1,2,3,7,9,10]`` -> ``'0-3,7,9-10'``.
+
+    Beyond ``limit`` ranges the tail is summarized, so 10,000 ranks stay one line.
+    """
+    values = sorted(set(ranks))
+    if not values:
+        return "none"
+    spans: list[str] = []
+    start = prev = values[0]
+    for r in values[1:]:
+        if r == prev + 1:
+            prev = r
+            continue
+        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = r
+    spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+    if len(spans) > limit:
+        shown = ",".join(spans[:limit])
+        return f"{shown},… ({len(values)} ranks in {len(spans)} ranges)"
+    return ",".join(spans)

@@ -1,0 +1,122 @@
+"""The human verdict: what a tired on-call engineer reads in ten seconds.
+
+The first lines say the status, the culprit ranks (host and pid when known), the
+collective and group, the code location, and what the others are doing; then the
+findings in detail, ranks grouped by what they were doing (ranges, so 10,000
+ranks stay a few lines), load problems and notes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import defaultdict
+
+from rich.console import Console
+from rich.markup import escape
+
+from frforensics.report import Finding, Report, Severity, Status, format_ranks
+
+_STATUS_STYLE = {
+    Status.HEALTHY: "bold green",
+    Status.DEGRADED: "bold yellow",
+    Status.HANG: "bold red",
+    Status.DESYNC: "bold magenta",
+    Status.UNREADABLE: "bold red",
+}
+
+
+def _culprit_line(report: Report) -> str:
+    parts = []
+    for rank in report.culprit_ranks[:8]:
+        facts = report.ranks.get(rank)
+        where = []
+        if facts is not None and facts.host:
+            where.append(f"host {facts.host}")
+        if facts is not None and facts.pid:
+            where.append(f"pid {facts.pid}")
+        parts.append(f"rank {rank}" + (f" ({', '.join(where)})" if where else ""))
+    if len(report.culprit_ranks) > 8:
+        parts.append(f"… {len(report.culprit_ranks) - 8} more "
+                     f"({format_ranks(report.culprit_ranks)})")
+    return ", ".join(parts)
+
+
+def _headline(finding: Finding) -> str:
+    return finding.message[0].upper() + finding.message[1:]
+
+
+def render(report: Report, *, width: int = 100, color: bool = False) -> str:
+    """The report as text; ``color`` adds ANSI styles (for terminals)."""
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
+                      highlight=False, emoji=False)
+    out = console.print
+    status = report.status
+    style = _STATUS_STYLE[status]
+    if status is Status.UNREADABLE:
+        out(f"[{style}]UNREADABLE[/] — no dump could be read")
+        for p in report.load_problems[:20]:
+            out(f"  {escape(p.path)}: {escape(p.error)}")
+        return buf.getvalue()
+    errors = [f for f in report.findings if f.severity is Severity.ERROR]
+    top = errors[0] if errors else (report.findings[0] if report.findings else None)
+    if top is None:
+        out(f"[{style}]HEALTHY[/] — {len(report.ranks_loaded)} rank(s) analyzed, "
+            "no hang, desync or straggler found")
+    else:
+        out(f"[{style}]{status.value.upper()}[/] — {top.kind.value}: {escape(_headline(top))}")
+        if report.culprit_ranks:
+            out(f"  [bold]Culprit:[/]  {escape(_culprit_line(report))}")
+        if top.pg is not None:
+            seq = "" if top.seq is None else (
+                f" #{top.seq}" if top.seq_kind == "collective" else f" (p2p #{top.seq})")
+            out(f"  [bold]Where:[/]    {escape(top.op or '?')}{seq} on {escape(top.pg.label())}")
+        if top.location:
+            out(f"  [bold]Code:[/]     {escape(top.location)}")
+        if top.waiting_ranks:
+            out(f"  [bold]Waiting:[/]  ranks {format_ranks(top.waiting_ranks)}")
+    out("")
+    if len(report.findings) > (1 if top else 0) or (top and top.evidence):
+        out("[bold]Findings[/]")
+        for f in report.findings:
+            mark = "✗" if f.severity is Severity.ERROR else "!"
+            out(f"  {mark} [{f.severity.value}] {f.kind.value}: {escape(f.message)}")
+            if f.culprit_ranks:
+                out(f"      culprits: {format_ranks(f.culprit_ranks)}")
+        out("")
+    _rank_summary(report, out)
+    if report.load_problems:
+        out(f"[bold]Load problems[/] ({len(report.load_problems)})")
+        for p in report.load_problems[:20]:
+            out(f"  {escape(p.path)}: {escape(p.error)}")
+        if len(report.load_problems) > 20:
+            out(f"  … {len(report.load_problems) - 20} more")
+        out("")
+    if report.notes:
+        out("[bold]Notes[/]")
+        for note in report.notes:
+            out(f"  - {escape(note)}")
+    return buf.getvalue()
+
+
+def _rank_summary(report: Report, out: object) -> None:
+    assert callable(out)
+    groups: dict[str, list[int]] = defaultdict(list)
+    for rank, facts in report.ranks.items():
+        if facts.blocked_in:
+            key = f"blocked in {facts.blocked_in}"
+        elif facts.stuck_at:
+            key = f"not in a collective; main thread at {facts.stuck_at}"
+        else:
+            key = "not blocked in any recorded op"
+        groups[key].append(rank)
+    if report.ranks_missing:
+        groups["no dump"] = list(report.ranks_missing)
+    world = report.world_size if report.world_size is not None else "unknown"
+    out(f"[bold]Ranks[/] ({len(report.ranks_loaded)} loaded, world size {world})")
+    shown = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+    for key, ranks in shown[:12]:
+        out(f"  {format_ranks(ranks):<24} {escape(key)}")
+    if len(shown) > 12:
+        out(f"  … {len(shown) - 12} more distinct states")
+    out("")
