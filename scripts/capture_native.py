@@ -22,7 +22,6 @@ blocked. A rank that raises dumps from its ``except`` handler if the thread
 has not dumped yet. ``OUTDIR/<scenario>/run.json`` records what each rank did
 (timings, exceptions, exit codes), which is the ground truth behind the
 hand-written ``EXPECTED.md`` / ``expected.json`` of the test data.
-
 Everything is bounded: workers leave with ``os._exit`` after a per-scenario
 deadline, and the parent kills any worker still alive after its own deadline.
 Only torch and the standard library are used.
@@ -411,6 +410,7 @@ def run_scenario(sc: Scenario, outroot: str) -> dict[str, Any]:
     started = time.monotonic()
     try:
         for rank in range(sc.world_size):
+            # the child inherits the file; our handle closes right after the spawn
             with open(os.path.join(tmp, f"stderr_{rank}"), "w") as errf:
                 procs.append(
                     subprocess.Popen(
