@@ -180,6 +180,14 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
             from frforensics.recorder._core import frames_of_traceback
 
             message = f"{exc_type.__name__}: {exc}"
+            if _is_peer_loss(message) and rec.store is not None:
+                # A peer died and took the connection with it: give its heartbeat
+                # time to go stale so this dump names who went silent first.
+                import time
+
+                limit = rec.config.heartbeat_stale_s or max(
+                    3.0 * rec.config.store_poll_interval_s, 2.0)
+                time.sleep(min(limit + rec.config.store_poll_interval_s, 10.0))
             death = DeathInfo(kind="exception", message=message[:2000],
                               frames=frames_of_traceback(tb))
             rec.dump(DumpReason.EXCEPTION, message[:500], death=death, automatic=True)
@@ -187,6 +195,15 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
         pass
     previous = _state.get("prev_excepthook") or sys.__excepthook__
     previous(exc_type, exc, tb)
+
+
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe",
+              "socket closed", "ncclremoteerror", "remote process exited")
+
+
+def _is_peer_loss(message: str) -> bool:
+    low = message.lower()
+    return any(marker in low for marker in _PEER_LOSS)
 
 
 def _at_exit() -> None:

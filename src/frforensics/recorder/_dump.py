@@ -156,12 +156,23 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     table = EntryTable.from_columns(n, {k: np.asarray(v) for k, v in cols.items()})
 
     threads = []
+    me = threading.get_ident()
+    own = os.path.dirname(os.path.abspath(__file__)) + os.sep
     for ident, frame in sys._current_frames().items():
+        frames = frames_of(frame)
+        if ident == me:
+            # The dumping thread: drop the recorder's own frames (excepthook, dump).
+            k = 0
+            while k < len(frames) and frames[k].file.startswith(own):
+                k += 1
+            frames = frames[k:]
+        if ident == rec.main_ident and death is not None and death.frames and ident == me:
+            frames = death.frames  # the stack has unwound: where it died is where it is
         threads.append(ThreadStack(
             name=thread_names.get(ident) or f"thread-{ident}",
             ident=int(ident),
             is_main=ident == rec.main_ident,
-            frames=frames_of(frame),
+            frames=frames,
         ))
     threads.sort(key=lambda t: (not t.is_main, t.name))
 
@@ -177,6 +188,8 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         notes.append("store unreachable at dump time: dumped locally only")
     notes.extend(rec.config.extra_notes)
     stale = rec.stale_peers() if reason is not DumpReason.API else ()
+    if stale:
+        stale = tuple(sorted(stale, key=lambda p: -p.age_s))
     return RankTrace(
         rank=rec.current_rank(),
         source="frforensics.recorder",
