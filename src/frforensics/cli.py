@@ -149,14 +149,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except (UsageError, FrForensicsError) as exc:
         _stderr(str(exc))
         sys.exit(2)
-    except Exception as exc:  # click usage errors and real bugs
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:  # typer's usage errors, and real bugs
+        show = getattr(exc, "show", None)
+        if isinstance(exc, typer.exceptions.TyperException) or callable(show):
+            if callable(show):
+                show()
+            else:
+                _stderr(str(exc))
             sys.exit(2)
-        if isinstance(exc, click.exceptions.Abort):
-            sys.exit(130)
         if os.environ.get("FRFORENSICS_DEBUG"):
             raise
         _stderr(f"internal error: {type(exc).__name__}: {exc} "

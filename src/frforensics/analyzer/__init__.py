@@ -13,7 +13,16 @@ from frforensics.analyzer.detectors import DETECTORS
 from frforensics.analyzer.load import DumpSet, load_dumps
 from frforensics.analyzer.merge import build_job
 from frforensics.analyzer.waits import build_wait_graph
-from frforensics.report import Finding, FindingKind, RankFacts, Report, Severity
+from frforensics.model import OpState
+from frforensics.report import (
+    Finding,
+    FindingKind,
+    RankFacts,
+    RankTimeline,
+    Report,
+    Severity,
+    TimelineOp,
+)
 
 __all__ = ["AnalyzeOptions", "DumpSet", "analyze", "load_dumps"]
 
@@ -53,6 +62,7 @@ def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
     findings: list[Finding] = []
     for detector in DETECTORS:
         findings.extend(detector(ctx))
+    findings = _explained_by_desync(findings)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
     notes = list(job.notes)
@@ -72,7 +82,66 @@ def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
         findings=tuple(findings),
         load_problems=tuple(dumps.problems),
         notes=tuple(notes),
+        timeline=_timeline(ctx),
     )
+
+
+def _timeline(ctx: Context) -> tuple[RankTimeline, ...]:
+    """Each rank's kept entries (last ones and unfinished ones), for drawn timelines."""
+    out: list[RankTimeline] = []
+    for rank in sorted(ctx.job.digests):
+        d = ctx.job.digests[rank]
+        wait = ctx.graph.waits.get(rank)
+        ops: list[TimelineOp] = []
+        for row, det in sorted(d.details.items()):
+            gid = ctx.job.group_of.get((rank, det.group))
+            ref = None if gid is None else ctx.pg(gid)
+            ops.append(TimelineOp(
+                group=ref.name if ref is not None else str(det.group),
+                group_label=ref.label() if ref is not None else f"group {det.group}",
+                seq=det.p2p_seq if det.is_p2p else det.seq,
+                seq_kind="p2p" if det.is_p2p else "collective",
+                op=det.op,
+                state=OpState(det.state).name.lower(),
+                t_enqueue_ns=det.t_enqueue_ns,
+                t_start_ns=det.t_start_ns,
+                t_complete_ns=det.t_complete_ns,
+                peer=det.peer,
+                in_shapes=det.in_shapes,
+                in_dtypes=det.in_dtypes,
+                location=det.location,
+                blocking=wait is not None and wait.row == row,
+            ))
+        out.append(RankTimeline(rank=rank, dump_time_ns=d.dump_time_ns, ops=tuple(ops)))
+    return tuple(out)
+
+
+_DESYNC = {FindingKind.OP_MISMATCH, FindingKind.DTYPE_MISMATCH, FindingKind.SIZE_MISMATCH}
+_HANG_IN_GROUP = {FindingKind.MISSING_RANK, FindingKind.TIMEOUT, FindingKind.P2P_DEADLOCK}
+
+
+def _explained_by_desync(findings: list[Finding]) -> list[Finding]:
+    """Drop hangs in a group at or after a seq where its members desynced.
+
+    Once members disagree at seq s, later collectives of the group pair up the
+    wrong calls, so ranks stop at different seqs: those stops are consequences
+    of the desync, not more culprits.
+    """
+    first: dict[tuple[str, tuple[int, ...] | None], int] = {}
+    for f in findings:
+        if f.kind in _DESYNC and f.pg is not None and f.seq is not None:
+            key = (f.pg.name, f.pg.ranks)
+            first[key] = min(first.get(key, f.seq), f.seq)
+    if not first:
+        return findings
+    kept = []
+    for f in findings:
+        if (f.kind in _HANG_IN_GROUP and f.pg is not None and f.seq is not None
+                and f.seq_kind == "collective"
+                and (f.pg.name, f.pg.ranks) in first and f.seq >= first[(f.pg.name, f.pg.ranks)]):
+            continue
+        kept.append(f)
+    return kept
 
 
 def _culprits(findings: list[Finding]) -> tuple[int, ...]:

@@ -9,6 +9,11 @@ below the framework. The elapsed time is compared with the op's ``timeout_ms``
 where the dump time is known. Collectives already reported as mismatched are
 not reported again. Severity error, status hang.
 
+A second rule covers dumps taken *after* the backend's timeout fired, when every
+entry is already retired (gloo marks failed work retired): members that entered
+a collective more than its ``timeout_ms`` after the first member did arrived
+after their peers had given up — they are the culprits.
+
 Worked example (NCCL, 4 ranks; rank 2's GPU hung)::
 
     ranks 0,1,3: all_reduce #88 state started    rank 2: all_reduce #88 state scheduled
@@ -19,6 +24,8 @@ Worked example (NCCL, 4 ranks; rank 2's GPU hung)::
 from __future__ import annotations
 
 from collections import defaultdict
+
+import numpy as np
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.waits import Wait
@@ -80,4 +87,66 @@ def detect(ctx: Context) -> list[Finding]:
             evidence={"states": {str(r): s.name.lower() for r, s in sorted(states.items())},
                       "timeout_ms": timeout_ms, "distinguishable": distinguishable},
         ))
+    findings.extend(_late_entries(ctx, {(f.pg.name, f.seq) for f in findings if f.pg}))
     return findings[: ctx.options.max_findings_per_kind]
+
+
+def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
+    """Collectives that some member entered later than the timeout after the first."""
+    findings: list[Finding] = []
+    for group in ctx.job.groups:
+        cols = []
+        for rank in group.ranks:
+            view = ctx.job.view(rank, group.gid)
+            if view is None or len(view.coll_rows) == 0:
+                continue
+            d = ctx.job.digests[rank]
+            rows = view.coll_rows
+            cols.append((d.seq[rows], np.full(len(rows), rank), d.t_enqueue_ns[rows],
+                         d.timeout_ms[rows]))
+        if len(cols) < 2:
+            continue
+        seq, ranks, t, tmo = (np.concatenate(c) for c in zip(*cols, strict=True))
+        order = np.lexsort((t, seq))
+        seq, ranks, t, tmo = seq[order], ranks[order], t[order], tmo[order]
+        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+        first_t = np.repeat(t[starts], np.diff(np.r_[starts, len(seq)]))
+        late = (t > 0) & (first_t > 0) & (tmo > 0) & ((t - first_t) > tmo * 1_000_000)
+        hits = np.flatnonzero(late)
+        if len(hits) == 0:
+            continue
+        s0 = int(seq[hits[0]])
+        if (group.name, s0) in known or (group.gid, s0) in ctx.desynced:
+            continue
+        in_seq = seq == s0
+        culprits = sorted({int(r) for r in ranks[late & in_seq]})
+        on_time = sorted({int(r) for r in ranks[in_seq & ~late]})
+        delay_s = float((t[late & in_seq] - first_t[late & in_seq]).max()) / 1e9
+        timeout_s = float(tmo[hits[0]]) / 1000
+        d = ctx.job.digests[culprits[0]]
+        local = group.local.get(culprits[0])
+        det = next((x for x in d.details.values() if x.group == local and x.seq == s0
+                    and not x.is_p2p), None)
+        op = det.op if det is not None else d.op_names.get(
+            int(d.op_hash[ctx.job.view(culprits[0], group.gid).coll_rows][0]), "?")  # type: ignore[union-attr]
+        findings.append(Finding(
+            kind=FindingKind.TIMEOUT,
+            severity=Severity.ERROR,
+            message=(f"rank{'s' if len(culprits) > 1 else ''} {ctx.ranks(culprits)} entered "
+                     f"{op} #{s0} on {group.ref().label()} {delay_s:.1f} s after the first member, "
+                     f"past its {timeout_s:g} s timeout: ranks {ctx.ranks(on_time)} had already "
+                     "timed out waiting (their entries are retired as failed)"),
+            culprit_ranks=tuple(culprits),
+            waiting_ranks=tuple(on_time),
+            pg=group.ref(),
+            seq=s0,
+            seq_kind="collective",
+            op=op,
+            location=None if det is None else det.location,
+            evidence={"late_by_s": round(delay_s, 3), "timeout_ms": int(tmo[hits[0]]),
+                      "note": "clocks of different hosts may differ; the lateness here exceeds "
+                              "the timeout"},
+        ))
+        if len(findings) >= ctx.options.max_findings_per_kind:
+            break
+    return findings
