@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 
 import typer
 
 from frforensics import __version__
 from frforensics.errors import FrForensicsError, UsageError
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 app = typer.Typer(
     add_completion=False,
@@ -75,7 +79,7 @@ def analyze(
     from frforensics.analyzer import analyze as run_analysis
     from frforensics.reporting import render
 
-    show_progress = progress and fmt is Format.text and output is None and sys.stderr.isatty()
+    show_progress = progress and fmt is not Format.json and _stderr_is_terminal()
     dumps = _with_progress(
         lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb),
         enabled=show_progress,
@@ -113,20 +117,85 @@ def convert(
     raise typer.Exit(0 if result.written else 2)
 
 
-def _with_progress(work, *, enabled: bool, what: str):  # type: ignore[no-untyped-def]
+@app.command()
+def timeline(
+    paths: Annotated[list[Path], typer.Argument(help="Dump files, directories or archives.")],
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", help="Chrome-trace JSON file to write (open in ui.perfetto.dev).")
+    ] = Path("trace.json"),
+    prefix: Annotated[str | None, typer.Option("--prefix", "-p")] = None,
+    progress: Annotated[bool, typer.Option(
+        "--progress/--no-progress", help="Progress bar on a terminal.")] = True,
+) -> None:
+    """Export every rank's ops as a Chrome-trace / Perfetto timeline (stuck ops marked)."""
+    from frforensics.reporting.timeline import write_timeline
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            summary = _with_progress(
+                lambda cb: write_timeline([str(p) for p in paths], fh, prefix=prefix, progress=cb),
+                enabled=progress and _stderr_is_terminal(),
+                what="reading dumps",
+            )
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    for label, error in summary.problems[:20]:
+        print(f"skipped {label}: {error}", file=sys.stderr)
+    if len(summary.problems) > 20:
+        print(f"... and {len(summary.problems) - 20} more", file=sys.stderr)
+    print(f"wrote {output}: {len(summary.ranks)} rank(s), {summary.events} events, "
+          f"{summary.stuck} stuck op(s); open it in https://ui.perfetto.dev", file=sys.stderr)
+    raise typer.Exit(0 if summary.ranks else 2)
+
+
+#: Loads with fewer files than this finish before a bar is worth drawing.
+PROGRESS_MIN_FILES = 16
+
+_T = TypeVar("_T")
+
+
+def _stderr_is_terminal() -> bool:
+    """A progress bar only on an interactive terminal (never in pipes, logs or CI)."""
+    try:
+        return sys.stderr.isatty() and os.environ.get("TERM", "") != "dumb"
+    except (AttributeError, ValueError):
+        return False
+
+
+def _with_progress(
+    work: Callable[[Callable[[int, int], None] | None], _T], *, enabled: bool, what: str
+) -> _T:
+    """Run ``work(progress_callback)``; with ``enabled``, draw a transient rich bar on stderr.
+
+    The bar appears only once the total is known to be at least
+    ``PROGRESS_MIN_FILES`` files, and disappears when done, so small loads and
+    the output that follows stay clean.
+    """
     if not enabled:
         return work(None)
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    with Progress(f"[progress.description]{what}", BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=True,
-                  console=__import__("rich.console").console.Console(stderr=True)) as bar:
-        task = bar.add_task(what, total=None)
+    bar = Progress(f"[progress.description]{what}", BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), transient=True, console=Console(stderr=True))
+    task: list[TaskID] = []
 
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
+    def update(done: int, total: int) -> None:
+        if not task:
+            if total < PROGRESS_MIN_FILES:
+                return
+            bar.start()
+            task.append(bar.add_task(what, total=total))
+        bar.update(task[0], completed=done, total=total)
 
+    try:
         return work(update)
+    finally:
+        if task:
+            bar.stop()
 
 
 def _route_default(argv: list[str]) -> list[str]:

@@ -20,9 +20,11 @@ __all__ = [
     "GroupRef",
     "LoadProblem",
     "RankFacts",
+    "RankTimeline",
     "Report",
     "Severity",
     "Status",
+    "TimelineOp",
     "format_ranks",
 ]
 
@@ -185,6 +187,38 @@ class LoadProblem:
         return {"path": self.path, "error": self.error}
 
 
+@dataclass(frozen=True, slots=True)
+class TimelineOp:
+    """One recorded op of one rank, for timelines (times: wall-clock ns, 0 = unknown).
+
+    ``blocking`` marks the op the analysis found this rank blocked in.
+    """
+
+    group: str
+    group_label: str
+    seq: int
+    seq_kind: str
+    op: str
+    state: str
+    t_enqueue_ns: int
+    t_start_ns: int
+    t_complete_ns: int
+    peer: int = -1
+    in_shapes: str = ""
+    in_dtypes: str = ""
+    location: str | None = None
+    blocking: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RankTimeline:
+    """The ops a report can draw for one rank: the last ones and every unfinished one."""
+
+    rank: int
+    dump_time_ns: int | None
+    ops: tuple[TimelineOp, ...]
+
+
 def _worst(statuses: Iterable[Status]) -> Status:
     worst = Status.HEALTHY
     for s in statuses:
@@ -206,6 +240,8 @@ class Report:
     load_problems: tuple[LoadProblem, ...] = ()
     notes: tuple[str, ...] = ()
     unreadable: bool = False
+    #: Per-rank recent ops for drawn timelines (HTML); not part of the JSON contract.
+    timeline: tuple[RankTimeline, ...] = ()
 
     @property
     def status(self) -> Status:

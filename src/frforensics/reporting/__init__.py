@@ -1,7 +1,8 @@
 """Reporters: render a :class:`~frforensics.report.Report`; they decide nothing.
 
 ``render(report, fmt)`` returns the text of one format; each reporter is a
-module with a ``render(report) -> str`` function.
+module with a ``render(report) -> str`` function. ``timeline`` is the exception:
+it reads the dumps themselves (every entry) and writes Chrome-trace JSON.
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ from pathlib import Path
 
 from frforensics.errors import UsageError
 from frforensics.report import Report
-from frforensics.reporting import json_report, text
+from frforensics.reporting import html, json_report, junit, markdown, text
 
-__all__ = ["FORMATS", "render"]
+__all__ = ["FORMATS", "SUFFIXES", "render", "write_all"]
 
 FORMATS: dict[str, Callable[[Report], str]] = {
     "text": text.render,
     "json": json_report.render,
+    "markdown": markdown.render,
+    "html": html.render,
+    "junit": junit.render,
 }
+
+#: File suffix of each format in ``write_all``'s folder.
+SUFFIXES: dict[str, str] = {"text": "txt", "json": "json", "markdown": "md", "html": "html",
+                            "junit": "xml"}
 
 
 def render(report: Report, fmt: str) -> str:
@@ -38,16 +46,34 @@ def write_all(
     dump_paths: list[str] | None = None,
     prefix: str | None = None,
 ) -> list[Path]:
-    """Write every format into ``out_dir`` (``report.txt``, ``report.json``, ...).
+    """Write every format into ``out_dir`` (``report.txt``, ``report.json``, ``report.md``,
+    ``report.html``, ``report.xml``) and, when ``dump_paths`` are given, the
+    Chrome-trace timeline ``timeline.json`` of those dumps.
 
-    Used by ``--output-dir`` for CI artifacts. Returns the paths written.
+    Used by ``--output-dir`` and the pytest plugin for CI artifacts. Each file
+    is written atomically (a reader never sees half of one). Returns the paths
+    written.
     """
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
-    suffix = {"text": "txt", "json": "json", "markdown": "md", "html": "html", "junit": "xml"}
     written = []
     for fmt, renderer in FORMATS.items():
-        path = target / f"report.{suffix.get(fmt, fmt)}"
-        path.write_text(renderer(report), encoding="utf-8")
+        path = target / f"report.{SUFFIXES.get(fmt, fmt)}"
+        _write_atomic(path, renderer(report))
+        written.append(path)
+    if dump_paths:
+        from frforensics.reporting.timeline import write_timeline
+
+        path = target / "timeline.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", encoding="utf-8") as fh:
+            write_timeline(dump_paths, fh, prefix=prefix)
+        os.replace(tmp, path)
         written.append(path)
     return written
+
+
+def _write_atomic(path: Path, text_: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text_, encoding="utf-8")
+    os.replace(tmp, path)

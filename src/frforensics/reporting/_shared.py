@@ -1,0 +1,79 @@
+"""What several reporters need alike: the headline finding, culprit descriptions,
+and ranks grouped by state (ranges, so 10,000 ranks stay a few rows)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from frforensics.report import Finding, Report, Severity, Status, format_ranks
+
+__all__ = ["RankState", "culprit_label", "rank_states", "seq_label", "top_finding"]
+
+MAX_STATES = 12
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """Ranks that were doing the same thing at dump time."""
+
+    state: str
+    ranks: tuple[int, ...]
+
+    @property
+    def ranks_label(self) -> str:
+        return format_ranks(self.ranks)
+
+
+def top_finding(report: Report) -> Finding | None:
+    """The finding the headline tells: the first error, else the first finding."""
+    errors = [f for f in report.findings if f.severity is Severity.ERROR]
+    if errors:
+        return errors[0]
+    return report.findings[0] if report.findings else None
+
+
+def culprit_label(report: Report, rank: int) -> str:
+    """``'rank 3 (host node07, pid 4121)'``."""
+    facts = report.ranks.get(rank)
+    where = []
+    if facts is not None and facts.host:
+        where.append(f"host {facts.host}")
+    if facts is not None and facts.pid:
+        where.append(f"pid {facts.pid}")
+    return f"rank {rank}" + (f" ({', '.join(where)})" if where else "")
+
+
+def seq_label(finding: Finding) -> str:
+    """``'all_reduce #17'`` or ``'send (p2p #3)'``."""
+    op = finding.op or "?"
+    if finding.seq is None:
+        return op
+    return f"{op} #{finding.seq}" if finding.seq_kind != "p2p" else f"{op} (p2p #{finding.seq})"
+
+
+def rank_states(report: Report) -> list[RankState]:
+    """Ranks grouped by what they were doing, biggest group first."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for rank, facts in report.ranks.items():
+        if facts.blocked_in:
+            key = f"blocked in {facts.blocked_in}"
+        elif facts.stuck_at:
+            key = f"not in a collective; main thread at {facts.stuck_at}"
+        else:
+            key = "not blocked in any recorded op"
+        groups[key].append(rank)
+    if report.ranks_missing:
+        groups["no dump"] = list(report.ranks_missing)
+    states = [RankState(k, tuple(sorted(v))) for k, v in groups.items()]
+    states.sort(key=lambda s: (-len(s.ranks), s.ranks[0]))
+    return states
+
+
+STATUS_WORD = {
+    Status.HEALTHY: "HEALTHY",
+    Status.DEGRADED: "DEGRADED",
+    Status.HANG: "HANG",
+    Status.DESYNC: "DESYNC",
+    Status.UNREADABLE: "UNREADABLE",
+}
