@@ -40,6 +40,7 @@ from frforensics.reporting._shared import (
 
 MAX_TIMELINE_RANKS = 32
 OPS_PER_RANK = 16
+WINDOW_OPS = 8
 MAX_FINDINGS = 20
 MAX_CHAINS = 5
 
@@ -153,8 +154,9 @@ def _culprit_state(report: Report, rank: int) -> str:
     if facts.blocked_in:
         return f"blocked in {facts.blocked_in}"
     if facts.stuck_at:
-        return f"main thread at {facts.stuck_at}"
-    return f"dumped ({facts.dump_reason or 'reason unknown'})"
+        return f"not in a collective; main thread at {facts.stuck_at}"
+    reason = facts.dump_reason if facts.dump_reason not in (None, "unknown") else None
+    return "not blocked in any recorded op" + (f"; dumped on {reason}" if reason else "")
 
 
 def _chain(report: Report, f: Finding) -> str:
@@ -245,12 +247,14 @@ def _timeline_section(report: Report) -> str:
         tail = ops[-OPS_PER_RANK:]
         tail += [o for o in ops[:-OPS_PER_RANK] if o.state in ("scheduled", "started")]
         recent[t.rank] = sorted(tail, key=lambda o: o.t_enqueue_ns)
-    times = [o.t_enqueue_ns for ops in recent.values() for o in ops]
-    if not times:
+    if not any(recent.values()):
         return head + '<p class="muted">The dumps carry no op timestamps to draw.</p>'
     now_ns = max([t.dump_time_ns or 0 for t in rows]
                  + [max(o.t_enqueue_ns, o.t_complete_ns) for ops in recent.values() for o in ops])
-    t0 = min(times)
+    # The window opens at the WINDOW_OPS-th newest op of the rank that reached it
+    # first: the hang and what led to it, not the whole ring (older ops are clipped).
+    starts = [[o.t_enqueue_ns for o in ops][-WINDOW_OPS:] for ops in recent.values() if ops]
+    t0 = min(st[0] for st in starts)
     span = max(1, now_ns - t0)
     label_w, width, row_h = 90, 1000, 22
     plot_w = width - label_w - 10
@@ -266,7 +270,8 @@ def _timeline_section(report: Report) -> str:
         tick = t0 + span * i // 4
         svg.append(f'<line x1="{x(tick):.1f}" y1="14" x2="{x(tick):.1f}" y2="{height}" '
                    'stroke="#eee"/>')
-        svg.append(f'<text x="{x(tick):.1f}" y="11" text-anchor="middle" fill="#777">'
+        anchor = "end" if i == 4 else "middle"
+        svg.append(f'<text x="{x(tick):.1f}" y="11" text-anchor="{anchor}" fill="#777">'
                    f"{(tick - now_ns) / 1e9:+.3g} s</text>")
     groups: dict[str, str] = {}
     for idx, t in enumerate(rows):
@@ -280,7 +285,9 @@ def _timeline_section(report: Report) -> str:
                    'stroke="#ddd"/>')
         for op in recent[t.rank]:
             end = _op_end(op, now_ns)
-            x1 = x(op.t_enqueue_ns)
+            if max(end, op.t_enqueue_ns) < t0:
+                continue  # wholly before the window
+            x1 = x(max(op.t_enqueue_ns, t0))
             w = max(2.0, (x(end) - x1) if end else 2.0)
             pending = op.state in ("scheduled", "started")
             groups[op.group_label] = _color(op.group)
