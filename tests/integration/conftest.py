@@ -36,7 +36,9 @@ import torch.distributed as dist
 rank = int(os.environ["RANK"])
 world_size = int(os.environ["WORLD_SIZE"])
 DUMP_DIR = os.environ["FRT_DUMP_DIR"]
-threading.Timer(float(os.environ["FRT_HARD_EXIT_S"]), lambda: os._exit(99)).start()
+_hard_exit = threading.Timer(float(os.environ["FRT_HARD_EXIT_S"]), lambda: os._exit(99))
+_hard_exit.daemon = True
+_hard_exit.start()
 if os.environ.get("FRT_ENABLE", "1") == "1":
     import frforensics.recorder as recorder
     recorder.enable(

@@ -166,7 +166,7 @@ class Recorder:
         return self.config.dump_dir / f"frdump_rank_{self.current_rank()}"
 
     def dump(self, reason: DumpReason, detail: str = "", *, death: DeathInfo | None = None,
-             automatic: bool = False) -> Path | None:
+             automatic: bool = False, native: bool = True) -> Path | None:
         """Write this rank's dump now. Never raises; returns the path or None."""
         try:
             with self.dump_lock:
@@ -186,7 +186,7 @@ class Recorder:
                 with contextlib.suppress(Exception):
                     log.warning("frforensics: rank %s dumped (%s) to %s", trace.rank,
                                 reason.value, path)
-            if self.config.save_native:
+            if native and self.config.save_native:
                 self.save_native()
             return path
         except Exception as exc:

@@ -473,16 +473,15 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _start_coalescing(self, device: Any) -> None:
         st = self._frf_state
-        rec = self._frf_rec
-        st.block_id = rec.next_block_id()
+        self._frf_inner_for_device(device)._start_coalescing()  # Backend's takes no device
+        st.block_id = self._frf_rec.next_block_id()
         st.block_p2p = -1
-        self._frf_inner_for_device(device)._start_coalescing(device)
 
     def _end_coalescing(self, device: Any) -> Any:
         st = self._frf_state
         inner_pg = self._frf_inner_for_device(device)
         try:
-            work = inner_pg._end_coalescing(device)
+            work = inner_pg._end_coalescing()
         finally:
             block, kind = st.block_id, st.block_p2p
             st.block_id = -1

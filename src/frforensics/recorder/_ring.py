@@ -73,8 +73,8 @@ class Ring:
 class FrameFilter:
     """Decides once per code object whether its frames belong in recorded stacks.
 
-    Frames of torch.distributed and of this recorder say nothing about the user's
-    program; they are skipped so the recorded ``depth`` frames are the caller's.
+    Frames of torch and of this recorder say nothing about the user's program;
+    they are skipped so the recorded ``depth`` frames are the caller's.
     """
 
     __slots__ = ("cache", "prefixes")
@@ -110,7 +110,7 @@ def capture_stack(frame: FrameType | None, depth: int, flt: FrameFilter) -> tupl
 
 
 def default_skip_prefixes() -> tuple[str, ...]:
-    """File prefixes whose frames are not recorded (torch.distributed, this package)."""
+    """File prefixes whose frames are not recorded (torch, this package, decorators)."""
     import os
 
     prefixes = [os.path.dirname(os.path.abspath(__file__)) + os.sep]
@@ -121,9 +121,7 @@ def default_skip_prefixes() -> tuple[str, ...]:
     torch_mod = sys.modules.get("torch")
     torch_file = getattr(torch_mod, "__file__", None)
     if torch_file:
-        root = os.path.dirname(os.path.abspath(torch_file))
-        for sub in ("distributed", "nn" + os.sep + "modules" + os.sep + "module.py",
-                    "nn" + os.sep + "parallel", "utils" + os.sep + "_contextlib.py",
-                    "autograd", "_tensor.py", "_ops.py"):
-            prefixes.append(os.path.join(root, sub))
+        # All of torch: the op name already says which API issued it; the frames
+        # worth keeping are the caller's (DDP's backward, FSDP's forward, ...).
+        prefixes.append(os.path.dirname(os.path.abspath(torch_file)) + os.sep)
     return tuple(prefixes)

@@ -182,7 +182,8 @@ class Watchdog(threading.Thread):
         gdesc = group.desc if group else ""
         detail = (f"{entry[R.OP]} {seq_kind} seq {seq} on pg {gname} ({gdesc}) unfinished "
                   f"after {age:.1f} s (deadline {rec.config.timeout_s:g} s)")
-        rec.dump(DumpReason.WATCHDOG_TIMEOUT, detail, automatic=True)
+        # Our dump first (milliseconds), then the flag, then PyTorch's (slower).
+        rec.dump(DumpReason.WATCHDOG_TIMEOUT, detail, automatic=True, native=False)
         payload = {
             "rank": rec.current_rank(), "pg": gname, "desc": gdesc, "op": entry[R.OP],
             "seq": seq, "seq_kind": seq_kind, "age_s": round(age, 3), "time_ns": time.time_ns(),
@@ -193,6 +194,8 @@ class Watchdog(threading.Thread):
                 self.store_failures = 0
             except Exception as exc:
                 self._store_failed(exc)
+        if rec.config.save_native:
+            rec.save_native()
 
     def poll_store(self) -> None:
         if not self._store_usable() or self.torn_down():
