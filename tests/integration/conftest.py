@@ -10,6 +10,7 @@ worker can outlive a test even if the parent dies.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -91,10 +92,8 @@ class Job:
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             left = max(0.0, deadline - time.monotonic())
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                pass
         return [p.poll() for p in self.procs]
 
     def kill(self) -> None:
@@ -105,10 +104,8 @@ class Job:
                 except (ProcessLookupError, PermissionError):
                     p.kill()
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
 
     def logs(self) -> str:
         parts = []
