@@ -146,6 +146,12 @@ class RankDigest:
     first_record_id: int
     op_names: dict[int, str]
     details: dict[int, EntryDetail]
+    # call site of every entry: stable hash of its user frame (0: no frames), and
+    # the hash -> "file:line in function" table; ``numel`` is the input numel of
+    # every entry (p2p included), for pairing sends with recvs
+    site: U4 | None = None
+    sites: dict[int, str] | None = None
+    numel: I8 | None = None
 
     def __len__(self) -> int:
         return int(self.seq.shape[0])
@@ -228,6 +234,14 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
             size[e.op == i] = -1
     size[e.is_p2p.astype(bool)] = -1
 
+    stack_sites = [user_frame(frames) for frames in trace.stacks]
+    site_lookup = np.append(
+        np.fromiter((0 if f is None else str_hash(str(f)) for f in stack_sites), dtype=np.uint32,
+                    count=len(stack_sites)), np.uint32(0))
+    sites = {str_hash(str(f)): str(f) for f in stack_sites if f is not None}
+    site = site_lookup[np.where((e.stack >= 0) & (e.stack < len(stack_sites)), e.stack,
+                                len(stack_sites))]
+
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(e.state < OpState.COMPLETED).tolist())
     details = {row: _detail(trace, row) for row in sorted(keep)}
@@ -266,4 +280,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         first_record_id=int(e.record_id[0]) if n else 0,
         op_names=op_names,
         details=details,
+        site=site,
+        sites=sites,
+        numel=np.ascontiguousarray(e.in_numel),
     )

@@ -20,6 +20,7 @@ from frforensics.analyzer.detectors import (
     op_mismatch,
     p2p_deadlock,
     size_mismatch,
+    straggler,
     timeout,
 )
 from frforensics.report import Finding
@@ -36,4 +37,5 @@ DETECTORS: list[Callable[[Context], list[Finding]]] = [
     p2p_deadlock.detect,
     cross_pg_deadlock.detect,
     timeout.detect,
+    straggler.detect,
 ]

@@ -3,82 +3,217 @@
 Rule: a cycle in the wait-for graph that involves collectives of two or more
 groups — typically ranks that issued two groups' collectives in opposite
 orders, or a rank that skipped one group's collective and went on to the next.
-The culprits are the cycle members whose order deviates from their peers':
+The culprits are the cycle members whose order deviates, judged by the
+strongest evidence available, in this order:
 
-1. *Peer evidence*: when a member entered its blocking op (G, s), how far it had
-   got in the other group H of the cycle (its newest seq in H). Peers that also
-   entered (G, s) — or seq s of an analogous group (same description and size,
-   e.g. another TP group) — show how far one normally is in H (or its analog)
-   at that point. A member that disagrees with the majority of them deviates.
-2. Otherwise the member(s) blocked in the group the fewest ranks are blocked in
-   (the majority order wins); on a tie every member of the cycle is named. Every group of the
-cycle is listed in ``evidence`` with each member's op, seq and code location.
+1. *Own history*: a training loop repeats itself, so every op a rank issues
+   was, earlier in its ring, followed by the same next op. For each cycle
+   member, the op it is blocked in is compared with what followed its previous
+   op (same group, op, size, dtype, peer and call site) every earlier time. A
+   member blocked in an op that never followed that predecessor before, while
+   other members are blocked in their usual next op, issued its groups'
+   collectives out of order.
+2. *Peer evidence*: when a member entered its blocking op (G, s), how far it
+   had got in its own analog of the group the next member is blocked in (same
+   description and size, e.g. its own DP group). Peers that entered seq s of G
+   or of an analog of G show how far one normally is at that point; a member
+   that disagrees with their majority deviates.
+3. Otherwise the member(s) blocked in the kind of group (description and size)
+   the fewest ranks are blocked in (the majority order wins); on a tie every
+   member of the cycle is named.
 
-Worked example (4 ranks; A = default group, B = {0,1}; rank 1 calls B before A)::
+The message gives both orders with their code locations; ``evidence`` lists
+every group of the cycle and, per member, its blocking op, what it waits for,
+and the history check.
 
-    rank 0 waits in A all_reduce #9 for rank 1      (issued A then B)
-    rank 1 waits in B all_reduce #3 for rank 0      (issued B then A: inverted)
-    ranks 2,3 wait in A all_reduce #9 for rank 1
-    -> cross_pg_deadlock, culprit 1 (3 ranks blocked in A, 1 in B)
+Worked example (TP {16..23}, {24..31}; DP {17,25}, {18,26}; every step ends
+with DP reduce_scatter, then TP all_reduce; ranks 17 and 26 swap the two)::
+
+    rank 17 waits in TP all_reduce #1690 for 18  (after DP rs bucket 1 it always did rs bucket 2)
+    rank 18 waits in DP reduce_scatter #102 for 26   (its usual next op)
+    rank 26 waits in TP all_reduce #1690 for 25  (out of order, like 17)
+    rank 25 waits in DP reduce_scatter #102 for 17   (its usual next op)
+    -> cross_pg_deadlock, culprits 17 and 26; 18 and 25 only wait
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.digest import RankDigest
 from frforensics.analyzer.merge import JobModel
 from frforensics.analyzer.waits import Wait
 from frforensics.report import Finding, FindingKind, Severity
 
+__all__ = ["OrderCheck", "detect", "order_check"]
+
+
+@dataclass(frozen=True, slots=True)
+class OrderCheck:
+    """How a rank's blocking op compares with what it issued at that point before."""
+
+    rank: int
+    seen: int  # earlier occurrences of the blocking op's predecessor
+    usual: int  # of them, how many were followed by the blocking op itself
+    usual_next: str | None  # what most often followed (op on group, location)
+    previous: str | None  # the predecessor (op on group, location)
+
+    @property
+    def deviates(self) -> bool:
+        """The blocking op never followed its predecessor before (while others did)."""
+        return self.seen > 0 and self.usual == 0
+
+    @property
+    def conforms(self) -> bool:
+        return self.seen > 0 and self.usual > 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"earlier_occurrences": self.seen, "followed_by_same_op": self.usual,
+                "previous_op": self.previous, "usual_next_op": self.usual_next}
+
+
+def _signature(d: RankDigest) -> npt.NDArray[np.int64]:
+    """One row per entry: what identifies "the same op" across steps."""
+    site = d.site if d.site is not None else np.zeros(len(d), dtype=np.uint32)
+    numel = d.numel if d.numel is not None else d.size
+    return np.stack([
+        d.group.astype(np.int64), d.op_hash.astype(np.int64), numel.astype(np.int64),
+        d.dtype_hash.astype(np.int64), d.peer.astype(np.int64), site.astype(np.int64),
+        d.is_p2p.astype(np.int64),
+    ], axis=1)
+
+
+def _op_text(ctx: Context, d: RankDigest, row: int) -> str:
+    gid = ctx.job.group_of.get((d.rank, int(d.group[row])))
+    group = "?" if gid is None else ctx.pg_label(gid)
+    op = d.op_names.get(int(d.op_hash[row]), "?")
+    where = ""
+    if d.site is not None and d.sites is not None:
+        loc = d.sites.get(int(d.site[row]))
+        where = f" at {loc}" if loc else ""
+    return f"{op} on {group}{where}"
+
+
+def order_check(ctx: Context, wait: Wait) -> OrderCheck | None:
+    """Compare ``wait``'s op with what followed its predecessor earlier on that rank."""
+    d = ctx.job.digests.get(wait.rank)
+    p = wait.row
+    if d is None or p < 1:
+        return None
+    sig = _signature(d)
+    pred = sig[p - 1]
+    earlier = np.flatnonzero((sig[: p - 1] == pred).all(axis=1))
+    if len(earlier) == 0:
+        return OrderCheck(wait.rank, 0, 0, None, _op_text(ctx, d, p - 1))
+    nxt = earlier + 1
+    same = (sig[nxt] == sig[p]).all(axis=1)
+    # the most common successor, for the message
+    keys = [tuple(r) for r in sig[nxt].tolist()]
+    common = Counter(keys).most_common(1)[0][0]
+    row = int(nxt[keys.index(common)])
+    return OrderCheck(wait.rank, len(earlier), int(same.sum()), _op_text(ctx, d, row),
+                      _op_text(ctx, d, p - 1))
+
 
 def detect(ctx: Context) -> list[Finding]:
     """One finding per wait cycle that spans more than one group."""
-    blocked_in = Counter(w.gid for w in ctx.graph.waits.values())
+    kind_of = {g.gid: (g.desc, len(g.ranks)) for g in ctx.job.groups}
+    blocked_in = Counter(kind_of[w.gid] for w in ctx.graph.waits.values())
     findings: list[Finding] = []
     for cycle in ctx.graph.cycles:
         if cycle.p2p_only:
             continue
-        deviants = _deviants(ctx, cycle.waits)
-        score = {w.rank: blocked_in[w.gid] for w in cycle.waits}
-        low = min(score.values())
-        if deviants and len(deviants) < len(cycle.ranks):
-            culprits = tuple(sorted(deviants))
-        elif len(set(score.values())) > 1:
-            culprits = tuple(sorted(r for r, s in score.items() if s == low))
+        checks = {w.rank: order_check(ctx, w) for w in cycle.waits}
+        history = {r for r, c in checks.items() if c is not None and c.deviates}
+        conforming = {r for r, c in checks.items() if c is not None and c.conforms}
+        basis: str
+        if history and conforming:
+            culprits = tuple(sorted(history))
+            basis = "own_history"
         else:
-            culprits = cycle.ranks
+            deviants = _deviants(ctx, cycle.waits)
+            score = {w.rank: blocked_in[kind_of[w.gid]] for w in cycle.waits}
+            low = min(score.values())
+            if deviants and len(deviants) < len(cycle.ranks):
+                culprits = tuple(sorted(deviants))
+                basis = "peers"
+            elif len(set(score.values())) > 1:
+                culprits = tuple(sorted(r for r, s in score.items() if s == low))
+                basis = "majority"
+            else:
+                culprits = cycle.ranks
+                basis = "none"
         inverted = set(culprits) != set(cycle.ranks)
+        by_rank = {w.rank: w for w in cycle.waits}
         lines = [f"rank {w.rank} waits in {ctx.describe(w)} for rank(s) {ctx.ranks(w.on)}"
                  + (f" ({w.location})" if w.location else "") for w in cycle.waits]
-        verdict = (f"rank(s) {ctx.ranks(culprits)} issued the groups' collectives in the "
-                   "opposite order to the others" if inverted else
-                   "the ranks issued the groups' collectives in opposite orders")
-        first = next(w for w in cycle.waits if w.rank == culprits[0])
+        orders = _orders(ctx, culprits, checks, by_rank, conforming) if basis == "own_history" else ""
+        if inverted:
+            verdict = (f"rank(s) {ctx.ranks(culprits)} issued the groups' collectives in the "
+                       "opposite order to the others")
+        else:
+            verdict = ("the ranks issued the groups' collectives in opposite orders, and the "
+                       "dumps do not tell which order is the intended one")
+        first = by_rank[culprits[0]]
         groups = sorted({w.gid for w in cycle.waits})
+        waiting = sorted(cycle.waiters | (set(cycle.ranks) - set(culprits)))
+        msg = (f"deadlock across {len(groups)} groups: {verdict}"
+               + (f". {orders}" if orders else "")
+               + ". Cycle: " + "; ".join(lines[:6])
+               + (f"; … {len(lines) - 6} more" if len(lines) > 6 else ""))
+        if cycle.waiters:
+            msg += f". {len(cycle.waiters)} more rank(s) wait on the cycle"
         findings.append(Finding(
             kind=FindingKind.CROSS_PG_DEADLOCK,
             severity=Severity.ERROR,
-            message=f"deadlock across {len(groups)} groups: " + "; ".join(lines[:6])
-            + f" — {verdict}",
+            message=msg,
             culprit_ranks=culprits,
-            waiting_ranks=tuple(sorted(cycle.waiters | (set(cycle.ranks) - set(culprits)))),
+            waiting_ranks=tuple(waiting),
             pg=ctx.pg(first.gid),
             seq=first.seq,
             seq_kind=first.seq_kind,
             op=first.op,
             location=first.location,
             evidence={
-                "groups": [ctx.pg(g).to_json() | {"blocked_ranks": blocked_in[g]} for g in groups],
+                "groups": [ctx.pg(g).to_json() | {"blocked_ranks": sum(
+                    1 for w in ctx.graph.waits.values() if w.gid == g)} for g in groups],
                 "cycle": [{"rank": w.rank, "pg": ctx.job.groups[w.gid].name, "op": w.op,
                            "seq": w.seq, "seq_kind": w.seq_kind, "waits_for": list(w.on),
-                           "location": w.location} for w in cycle.waits],
+                           "location": w.location,
+                           "order": _check_json(checks[w.rank])}
+                          for w in cycle.waits],
                 "inverted": inverted,
+                "basis": basis,
             },
         ))
     return findings[: ctx.options.max_findings_per_kind]
+
+
+def _check_json(check: OrderCheck | None) -> dict[str, Any] | None:
+    return None if check is None else check.to_json()
+
+
+def _orders(ctx: Context, culprits: tuple[int, ...], checks: dict[int, OrderCheck | None],
+            by_rank: dict[int, Wait], conforming: set[int]) -> str:
+    """Both orders, with code locations: the deviants' and the one they broke."""
+    parts = []
+    for r in culprits[:3]:
+        c = checks[r]
+        if c is None:
+            continue
+        now = _op_text(ctx, ctx.job.digests[r], by_rank[r].row)
+        parts.append(f"rank {r} issued {now} right after {c.previous}, where the {c.seen} "
+                     f"earlier time(s) it issued {c.usual_next}")
+    others = sorted(conforming)
+    if others:
+        parts.append(f"rank(s) {ctx.ranks(others)} kept the usual order")
+    return "; ".join(parts)
 
 
 def _progress(job: JobModel, rank: int, gid_at: int, seq_at: int, gid_other: int) -> int | None:
@@ -114,10 +249,15 @@ def _deviants(ctx: Context, waits: list[Wait]) -> set[int]:
     by_rank = {w.rank: w for w in waits}
     out: set[int] = set()
     for w in waits:
-        others = {by_rank[t].gid for t in w.on if t in by_rank} - {w.gid}
+        others = set()
+        for t in w.on:
+            if t in by_rank and by_rank[t].gid != w.gid:
+                mine = _analog(job, by_rank[t].gid, w.rank)
+                if mine is not None and mine != w.gid:
+                    others.add(mine)
         for other in others:
-            mine = _progress(job, w.rank, w.gid, w.seq, other)
-            if mine is None:
+            progress = _progress(job, w.rank, w.gid, w.seq, other)
+            if progress is None:
                 continue
             refs = []
             for q in job.digests:
@@ -129,6 +269,6 @@ def _deviants(ctx: Context, waits: list[Wait]) -> set[int]:
                 p = _progress(job, q, g_at, w.seq, g_other)
                 if p is not None:
                     refs.append(p)
-            if refs and mine != Counter(refs).most_common(1)[0][0]:
+            if refs and progress != Counter(refs).most_common(1)[0][0]:
                 out.add(w.rank)
     return out
