@@ -16,6 +16,7 @@ for a given seed.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -198,6 +199,7 @@ class JobDumps:
         self.t0_ns = builder._start_time_ns
         self._tables: _Tables | None = None
         self._prefix_cache: dict[int, dict[str, Any]] = {}
+        self._watchdog_rank: int | Literal[False] | None = False
         if expected.seq_kind == "p2p" and expected.seq is None and expected.culprit_ranks:
             # the p2p number of the first culprit's pending recv, from its own counters
             r = expected.culprit_ranks[0]
@@ -371,6 +373,8 @@ class JobDumps:
         return int(sim.ops[rank][pend[0]]) if len(pend) else None
 
     def _first_watchdog(self) -> int | None:
+        if self._watchdog_rank is not False:
+            return self._watchdog_rank
         best: tuple[float, int] | None = None
         for r in range(self.world_size):
             comp = self.sim.t_complete[r]
@@ -379,7 +383,8 @@ class JobDumps:
                 t = float(self.sim.t_enqueue[r][pend[0]])
                 if best is None or t < best[0]:
                     best = (t, r)
-        return None if best is None else best[1]
+        self._watchdog_rank = None if best is None else best[1]
+        return self._watchdog_rank
 
     def threads(self, rank: int) -> tuple[ThreadStack, ...]:
         """Thread stacks at dump time: where the rank's threads are stuck."""
@@ -693,4 +698,5 @@ def _write_chunk(ranks: list[int], task: tuple[str, str, str, str]) -> list[str]
     dumps = _SHARED
     if dumps is None:  # pragma: no cover - only reached if fork did not carry the global
         raise RuntimeError("no job to write")
+    gc.disable()  # many short-lived dicts, no cycles: skip the collector's rescans
     return [str(_write_one(dumps, r, task)) for r in ranks]

@@ -24,6 +24,7 @@ processed does not change any time: the result is deterministic.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -75,6 +76,30 @@ def simulate(
     delays every instruction ``>= i0``; ``hung`` holds ``(rank, instr index)``
     whose op never starts on that rank.
     """
+    # Millions of small tuples and lists: the cyclic GC would rescan them all on
+    # every collection (quadratic); nothing here makes reference cycles.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(layout, cat, programs, start_ms=start_ms, start_counts=start_counts,
+                         jitter=jitter, delay_from=delay_from, hung=hung)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _simulate(
+    layout: Layout,
+    cat: Catalog,
+    programs: list[list[int]],
+    *,
+    start_ms: npt.NDArray[np.float64],
+    start_counts: npt.NDArray[np.int64],
+    jitter: list[list[float]],
+    delay_from: dict[int, tuple[int, float]],
+    hung: set[tuple[int, int]],
+) -> SimResult:
+    """The simulation proper (see :func:`simulate`)."""
     ws = layout.world_size
     specs = cat.specs
     instrs = cat.instrs
