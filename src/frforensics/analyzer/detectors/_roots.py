@@ -12,14 +12,23 @@ __all__ = ["doing", "primary_wait", "rank_activity", "since"]
 
 
 def primary_wait(root: Root) -> tuple[Wait | None, list[Wait]]:
-    """The op most ranks wait in for ``root`` (and all waits on that op)."""
+    """The op most ranks wait in for ``root`` (and all waits on that op).
+
+    On a tie, the op whose waiters began waiting first: where the job first got
+    stuck on this rank.
+    """
     by: dict[tuple[int, int, str], list[Wait]] = defaultdict(list)
     for w in root.direct:
         if w.rank != root.rank:
             by[(w.gid, w.seq, w.seq_kind)].append(w)
     if not by:
         return None, []
-    key = max(by, key=lambda k: (len(by[k]), -k[1]))
+
+    def started(waits: list[Wait]) -> int:
+        times = [w.detail.t_enqueue_ns for w in waits if w.detail and w.detail.t_enqueue_ns]
+        return min(times) if times else 2**63
+
+    key = max(by, key=lambda k: (len(by[k]), -started(by[k]), -k[1]))
     return by[key][0], by[key]
 
 
