@@ -311,8 +311,11 @@ def _timeline_section(report: Report) -> str:
                        f'fill="{fill}" fill-opacity="0.85"{stroke}>'
                        f"<title>{escape(tip)}</title></rect>")
             if w > 60:
+                label = f"{op.op} {number}"
+                if w > 200:
+                    label += f" on {op.group_label.split(' (')[0]}"
                 svg.append(f'<text x="{x1 + 3:.1f}" y="{y + 14}" fill="#fff" '
-                           f'pointer-events="none">{escape(op.op)} {number}</text>')
+                           f'pointer-events="none">{escape(label)}</text>')
         svg.append("</g>")
     svg.append("</svg>")
     legend = "".join(f'<span><i class="sw" style="background:{c}"></i>{escape(g)}</span>'
