@@ -5,7 +5,11 @@ seq (a coalesced unit's entries are combined), all members' rows are sorted by
 seq, and each seq whose members disagree on op, dtype or size is a mismatch.
 Only the *first* mismatched seq of a group is reported per kind: after one rank
 desyncs, every later seq compares different calls. The culprits are the
-minority; on a tie every rank of the smaller-or-equal sides is named.
+minority. On a tie (two-member groups, even splits) every rank of the tie is
+named, most likely first: the group's *analogs* — groups with the same
+description and size (the other TP or DP groups of an SPMD job), which issue the
+same calls at the same seq — show the expected value, and the members that differ
+from it come first.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Mismatch:
     field: Field
     values: dict[int, str]  # rank -> what it used (op name, dtype, numel)
     later: int  # how many later seqs of the group also mismatch on this field
+    raw: dict[int, int]  # rank -> the compared value (hash or numel)
 
 
 def _units(ctx: Context, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ...] | None:
@@ -90,10 +95,10 @@ def find_mismatches(ctx: Context) -> list[Mismatch]:
             first = int(hits[0])
             lo = int(starts[first])
             hi = int(starts[first + 1]) if first + 1 < len(starts) else len(seq)
-            values = {int(r): _render(ctx, name, int(r), int(v))
-                      for r, v in zip(ranks[lo:hi], column[lo:hi], strict=True)}
+            raw = {int(r): int(v) for r, v in zip(ranks[lo:hi], column[lo:hi], strict=True)}
+            values = {r: _render(ctx, name, r, v) for r, v in raw.items()}
             found.append(Mismatch(group.gid, int(seq[lo]), name,  # type: ignore[arg-type]
-                                  values, len(hits) - 1))
+                                  values, len(hits) - 1, raw))
     ctx.mismatches = found
     return found
 
@@ -125,12 +130,22 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
     ranked = counts.most_common()
     top_value, top_count = ranked[0]
     tie = len(ranked) > 1 and ranked[1][1] == top_count
+    reference = _analog_reference(ctx, m) if tie else None
+    majority: list[int]
+    deviants: list[int] = []
+    if reference is not None and any(v == reference for v in m.raw.values()):
+        deviants = [r for r, v in sorted(m.raw.items()) if v != reference]
     if tie:
-        culprits = sorted(r for rs in classes.values() for r in rs)
-        majority: list[int] = []
+        # The contract names every rank of a tie; analog evidence only orders
+        # them (most likely first).
+        culprits = deviants + sorted(r for rs in classes.values() for r in rs
+                                     if r not in deviants)
+        majority = []
     else:
         majority = classes[top_value]
         culprits = sorted(r for v, rs in classes.items() if v != top_value for r in rs)
+    if tie and deviants:
+        top_value = next(m.values[r] for r, v in m.raw.items() if v == reference)
 
     details = {r: _detail_at(ctx, r, m.gid, m.seq) for r in m.values}
     if m.field == "dtype":
@@ -167,10 +182,14 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
            f"#{m.seq} on {ctx.pg_label(m.gid)}: " + "; ".join(pieces))
     if m.later:
         msg += f" ({m.later} later collective(s) of the group disagree too)"
+    if tie and deviants:
+        msg += (f"; the analogous groups used {top_value} at this seq, so rank(s) "
+                f"{ctx.ranks(deviants)} most likely deviated")
     ctx.desynced.add((m.gid, m.seq))
     evidence = {
         "values": {str(r): v for r, v in sorted(m.values.items())},
         "later_mismatches": m.later,
+        "most_likely_by_analog_groups": deviants,
         "locations": {str(r): det.location for r, det in details.items()
                       if det is not None and det.location},
     }
@@ -187,3 +206,37 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
         location=location,
         evidence=evidence,
     )
+
+
+def _value_at(ctx: Context, rank: int, gid: int, seq: int, field: Field) -> int | None:
+    unit = _units(ctx, rank, gid)
+    if unit is None:
+        return None
+    seqs, _, op, dtype, size = unit
+    hit = np.flatnonzero(seqs == seq)
+    if len(hit) == 0:
+        return None
+    column = {"op": op, "dtype": dtype, "size": size}[field]
+    return int(column[hit[0]])
+
+
+def _analog_reference(ctx: Context, m: Mismatch) -> int | None:
+    """The value most members of ``m``'s analog groups used at ``m.seq``."""
+    group = ctx.job.groups[m.gid]
+    votes: Counter[int] = Counter()
+    for other in ctx.job.groups:
+        if other.gid == m.gid or other.desc != group.desc or len(other.ranks) != len(group.ranks):
+            continue
+        for rank in other.ranks:
+            if rank in ctx.job.digests and rank not in m.raw:
+                value = _value_at(ctx, rank, other.gid, m.seq, m.field)
+                if value is not None:
+                    votes[value] += 1
+        if sum(votes.values()) >= 64:
+            break
+    if not votes:
+        return None
+    (best, count), *rest = votes.most_common(2)
+    if rest and rest[0][1] * 2 > count:
+        return None  # the analogs disagree too: no clear reference
+    return best
