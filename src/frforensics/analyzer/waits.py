@@ -6,9 +6,11 @@ waits for the peers that op needs but that have not joined it:
 * a collective ``s`` of group G waits for the members of G that never entered
   ``s`` (their newest seq in G is below ``s``) or left no dump;
 * a recv from B (the k-th from B in that group) waits for B when B has not
-  posted its k-th send to this rank (exact with per-peer numbers, which our
-  dumps carry; on native dumps, inferred: B has no matching op pending); a send
-  likewise waits for the recv.
+  posted its k-th send to this rank, a send likewise waits for the recv
+  (``P2PPairing``): exact with per-peer numbers (our dumps) or when neither ring
+  evicted the channel's beginning; otherwise aligned on completed pairs, sizes
+  and completion gaps, with a stated confidence. Every pending op of a p2p batch
+  is paired, so a batch waits for every peer that owes it a counterpart.
 
 Following the edges from every blocked rank ends either at a *root* — a rank
 waiting on nobody: not blocked at all (stuck in Python, or finished), dead,
@@ -32,11 +34,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+import numpy.typing as npt
+
 from frforensics.analyzer.digest import EntryDetail
 from frforensics.analyzer.merge import RECV_HASH, SEND_HASH, JobModel
 from frforensics.model import OpState
 
-__all__ = ["Cycle", "Root", "Wait", "WaitGraph", "build_wait_graph"]
+__all__ = ["Cycle", "P2PPairing", "Root", "Wait", "WaitGraph", "build_wait_graph"]
 
 RootKind = Literal["free", "no_dump", "dead", "stuck_in_op"]
 
@@ -57,6 +62,7 @@ class Wait:
     age_s: float | None
     detail: EntryDetail | None
     confidence: str = "exact"
+    p2p: tuple[P2PPairing, ...] = ()  # every pending send/recv of the batch, paired
 
     @property
     def location(self) -> str | None:
@@ -96,42 +102,188 @@ class WaitGraph:
     young: list[int]  # ranks whose unfinished op is too recent to call a hang
 
 
-def _p2p_waits(job: JobModel, rank: int, rows: list[int]) -> tuple[list[int], dict[int, str], str]:
-    """Peers that have not posted the counterpart of ``rank``'s pending p2p ``rows``."""
+@dataclass(frozen=True, slots=True)
+class P2PPairing:
+    """Where the counterpart of one pending send/recv stands.
+
+    ``index`` is the op's 1-based number on its channel (the k-th send from A to
+    B, or the k-th recv at B from A) when known; ``status`` is ``posted`` (the
+    peer posted the counterpart), ``not_posted``, ``no_dump`` or ``unknown``;
+    ``confidence`` is ``exact`` (per-peer numbers, or both rings still hold the
+    channel's whole history), ``high`` (aligned on completed pairs, sizes and
+    completion times with one clear best alignment) or ``low`` (a guess: never
+    enough to accuse a rank alone).
+    """
+
+    rank: int
+    row: int
+    op: str
+    peer: int
+    index: int | None
+    status: str
+    confidence: str
+    basis: str
+    counterpart_row: int | None = None
+    size_mismatch: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        return {"rank": self.rank, "op": self.op, "peer": self.peer, "index": self.index,
+                "counterpart": self.status, "confidence": self.confidence, "basis": self.basis,
+                "size_mismatch": self.size_mismatch}
+
+
+_CONFIDENCE_ORDER = ("exact", "high", "low", "unknown")
+
+
+def _worst_confidence(values: list[str]) -> str:
+    return max(values, key=_CONFIDENCE_ORDER.index, default="exact")
+
+
+def _channel(job: JobModel, rank: int, gid: int, peer: int, op_hash: int) -> npt.NDArray[np.intp]:
+    """Rows of ``rank``'s ``op_hash`` (send/recv) ops with ``peer`` in group ``gid``."""
     d = job.digests[rank]
-    on: list[int] = []
-    reasons: dict[int, str] = {}
-    confidence = "exact"
+    local = job.groups[gid].local.get(rank)
+    mask = d.is_p2p.astype(bool) & (d.peer == peer) & (d.op_hash == op_hash)
+    if local is not None:
+        mask &= d.group == local
+    return np.flatnonzero(mask)
+
+
+def _align(job: JobModel, rank: int, mine: npt.NDArray[np.intp], peer: int,
+           theirs: npt.NDArray[np.intp]) -> tuple[int | None, str, str]:
+    """Offset ``o`` with ``theirs[i + o]`` pairing ``mine[i]``, its confidence and basis.
+
+    Without per-peer numbers, each side's ring may have evicted the channel's
+    beginning. Candidate offsets are scored on the overlap: paired ops must have
+    equal sizes and agree on completion (FIFO: completed ops pair with completed
+    ones), and the gaps between successive completions must agree on both sides
+    (clock offsets cancel in gaps). Candidates start from the anchor that pairs
+    the last completed ops of both sides.
+    """
+    a, b = job.digests[rank], job.digests[peer]
+    a_done = a.state[mine] >= OpState.COMPLETED
+    b_done = b.state[theirs] >= OpState.COMPLETED
+    a_full, b_full = not job.window_evicted(rank), not job.window_evicted(peer)
+    if a_full and b_full:
+        return 0, "exact", "both rings hold the whole channel"
+    na, nb = len(mine), len(theirs)
+    a_size = (a.numel if a.numel is not None else a.size)[mine]
+    b_size = (b.numel if b.numel is not None else b.size)[theirs]
+    a_tc = a.t_complete_ns[mine].astype(np.float64)
+    b_tc = b.t_complete_ns[theirs].astype(np.float64)
+    res = max(a.completion_resolution_ns, b.completion_resolution_ns, 1_000_000)
+    if a_done.any() and b_done.any():
+        anchor = int(np.flatnonzero(b_done)[-1]) - int(np.flatnonzero(a_done)[-1])
+        candidates = list(range(anchor - 2, anchor + 3))
+    else:
+        # nothing completed on one side: its first pending op pairs with the other's
+        first_a = int(np.argmin(a_done)) if not a_done.all() else na
+        first_b = int(np.argmin(b_done)) if not b_done.all() else nb
+        anchor = first_b - first_a
+        candidates = list(range(anchor - 2, anchor + 3))
+    if b_full:  # theirs indices are absolute, mine start at some s >= 0: o >= 0
+        candidates = [o for o in candidates if o >= 0]
+    if a_full:
+        candidates = [o for o in candidates if o <= 0]
+    if not candidates:
+        return None, "low", "no consistent alignment"
+    scores: dict[int, float] = {}
+    for o in candidates:
+        i = np.arange(max(0, -o), min(na, nb - o))
+        if len(i) == 0:
+            scores[o] = -0.5
+            continue
+        j = i + o
+        same_size = a_size[i] == b_size[j]
+        same_state = a_done[i] == b_done[j]
+        score = float(np.sum(same_size & same_state)) - 3.0 * float(np.sum(~same_size | ~same_state))
+        both = a_done[i] & b_done[j] & (a_tc[i] > 0) & (b_tc[j] > 0)
+        if both.sum() >= 2:
+            ga, gb = np.diff(a_tc[i][both]), np.diff(b_tc[j][both])
+            score += float(np.sum(np.abs(ga - gb) <= 2 * res)) - float(np.sum(np.abs(ga - gb) > 2 * res))
+        # a completed op the other side never posted is impossible
+        score -= 3.0 * float(np.sum(b_done[max(0, na + o):]))
+        scores[o] = score
+    ranked = sorted(scores.items(), key=lambda kv: -kv[1])
+    best, best_score = ranked[0]
+    runner_up = ranked[1][1] if len(ranked) > 1 else -np.inf
+    overlap = min(na, nb - best) - max(0, -best)
+    if best_score >= 2 and best_score - runner_up >= 2 and overlap >= 2:
+        return best, "high", "aligned on completed pairs, sizes and completion gaps"
+    return best, "low", "rings evicted the channel's beginning; best guess from the pending tails"
+
+
+def _p2p_waits(job: JobModel, rank: int, rows: list[int]) -> list[P2PPairing]:
+    """Pair each of ``rank``'s pending p2p ``rows`` with the peer's counterpart.
+
+    Sends and recvs pair per ordered pair of ranks and group: the k-th send from A
+    to B with the k-th recv at B from A. Exact with per-peer numbers (our dumps)
+    or when neither ring evicted the channel; otherwise aligned (see ``_align``).
+    """
+    d = job.digests[rank]
+    out: list[P2PPairing] = []
+    aligned: dict[tuple[int, int, int], tuple[npt.NDArray[np.intp], npt.NDArray[np.intp],
+                                              int | None, str, str]] = {}
     for row in rows:
         peer = int(d.peer[row])
+        mine_hash = int(d.op_hash[row])
+        op = d.op_names.get(mine_hash, "?")
         if peer < 0:
-            confidence = "unknown peer"
+            out.append(P2PPairing(rank, row, op, peer, None, "unknown", "unknown",
+                                  "the dump does not say the peer's global rank"))
             continue
         other = job.digests.get(peer)
         if other is None:
-            on.append(peer)
-            reasons[peer] = "no_dump"
+            out.append(P2PPairing(rank, row, op, peer, None, "no_dump", "exact", "no dump"))
             continue
-        mine = int(d.op_hash[row])
-        want = RECV_HASH if mine == SEND_HASH else SEND_HASH
-        local = job.groups[job.group_of[(rank, int(d.group[row]))]].local.get(peer)
-        match = (other.is_p2p.astype(bool)) & (other.peer == rank) & (other.op_hash == want)
-        if local is not None:
-            match &= other.group == local
+        gid = job.group_of[(rank, int(d.group[row]))]
+        want = RECV_HASH if mine_hash == SEND_HASH else SEND_HASH
+        key = (gid, peer, mine_hash)
+        if key not in aligned:
+            mine = _channel(job, rank, gid, peer, mine_hash)
+            theirs = _channel(job, peer, gid, rank, want)
+            aligned[key] = (mine, theirs, *_align(job, rank, mine, peer, theirs))
+        mine, theirs, offset, confidence, basis = aligned[key]
         k = int(d.peer_seq[row])
-        if k > 0 and int(other.peer_seq[match].max(initial=0)) > 0:
-            posted = int(other.peer_seq[match].max(initial=0)) >= k
-        elif k > 0 and not match.any() and not job.window_evicted(peer):
-            posted = False
+        their_k = other.peer_seq[theirs]
+        i = int(np.searchsorted(mine, row))
+        if k > 0 and (len(theirs) == 0 or int(their_k.max()) > 0):
+            hit = np.flatnonzero(their_k == k)
+            if len(hit):
+                j = int(theirs[hit[0]])
+                out.append(P2PPairing(rank, row, op, peer, k, "posted", "exact", "per-peer numbers",
+                                      j, _size(job, rank, row, peer, j)))
+            elif len(theirs) and int(their_k.max()) > k:
+                out.append(P2PPairing(rank, row, op, peer, k, "posted", "high",
+                                      "the peer's ring evicted its counterpart"))
+            elif job.window_evicted(peer) and len(theirs) == 0:
+                out.append(P2PPairing(rank, row, op, peer, k, "not_posted", "high",
+                                      "per-peer numbers; the peer's ring holds nothing of the channel"))
+            else:
+                out.append(P2PPairing(rank, row, op, peer, k, "not_posted", "exact",
+                                      "per-peer numbers"))
+            continue
+        index = i + 1 if not job.window_evicted(rank) else None
+        if offset is None:
+            out.append(P2PPairing(rank, row, op, peer, index, "unknown", "low", basis))
+            continue
+        j = i + offset
+        if j >= len(theirs):
+            status, counterpart = "not_posted", None
         else:
-            # Native dumps carry no per-pair numbers: a counterpart still pending
-            # on the peer is taken as the match.
-            confidence = "inferred"
-            posted = bool((match & (other.state < OpState.COMPLETED)).any())
-        if not posted:
-            on.append(peer)
-            reasons[peer] = "not_posted"
-    return on, reasons, confidence
+            status, counterpart = "posted", (int(theirs[j]) if j >= 0 else None)
+        mismatch = counterpart is not None and _size(job, rank, row, peer, counterpart)
+        out.append(P2PPairing(rank, row, op, peer, index, status, confidence, basis,
+                              counterpart, mismatch))
+    return out
+
+
+def _size(job: JobModel, rank: int, row: int, peer: int, their_row: int) -> bool:
+    """True when the two sides of a transfer disagree on its size."""
+    a, b = job.digests[rank], job.digests[peer]
+    if a.numel is None or b.numel is None:
+        return False
+    return int(a.numel[row]) != int(b.numel[their_row])
 
 
 def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
@@ -155,9 +307,14 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
         op = d.op_names.get(int(d.op_hash[row]), "?")
         if d.is_p2p[row]:
             p2p_rows = [int(r) for r in pending if d.is_p2p[r]]
-            on, reasons, confidence = _p2p_waits(job, rank, p2p_rows)
-            waits[rank] = Wait(rank, row, gid, int(d.p2p_seq[row]), "p2p", op, tuple(on),
-                               reasons, (), age, detail, confidence)
+            pairings = _p2p_waits(job, rank, p2p_rows)
+            reasons: dict[int, str] = {}
+            for pairing in pairings:
+                if pairing.status in ("not_posted", "no_dump"):
+                    reasons.setdefault(pairing.peer, pairing.status)
+            confidence = _worst_confidence([x.confidence for x in pairings])
+            waits[rank] = Wait(rank, row, gid, int(d.p2p_seq[row]), "p2p", op, tuple(reasons),
+                               reasons, (), age, detail, confidence, tuple(pairings))
             continue
         seq = int(d.seq[row])
         status = coll_cache.get((gid, seq))

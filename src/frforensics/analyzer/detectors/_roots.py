@@ -8,14 +8,15 @@ from typing import Any
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.waits import Root, Wait
 
-__all__ = ["doing", "primary_wait", "rank_activity", "since"]
+__all__ = ["chain", "chain_lines", "doing", "primary_wait", "rank_activity", "since"]
 
 
 def primary_wait(root: Root) -> tuple[Wait | None, list[Wait]]:
     """The op most ranks wait in for ``root`` (and all waits on that op).
 
-    On a tie, the op whose waiters began waiting first: where the job first got
-    stuck on this rank.
+    A collective wins over p2p waits (a rank missing from a collective is a
+    ``missing_rank``, whatever p2p peers also wait on it); on a tie, the op whose
+    waiters began waiting first: where the job first got stuck on this rank.
     """
     by: dict[tuple[int, int, str], list[Wait]] = defaultdict(list)
     for w in root.direct:
@@ -28,7 +29,7 @@ def primary_wait(root: Root) -> tuple[Wait | None, list[Wait]]:
         times = [w.detail.t_enqueue_ns for w in waits if w.detail and w.detail.t_enqueue_ns]
         return min(times) if times else 2**63
 
-    key = max(by, key=lambda k: (len(by[k]), -started(by[k]), -k[1]))
+    key = max(by, key=lambda k: (k[2] == "collective", len(by[k]), -started(by[k]), -k[1]))
     return by[key][0], by[key]
 
 
@@ -37,8 +38,42 @@ def since(waits: list[Wait]) -> str:
     return f" for {max(ages):.1f} s" if ages else ""
 
 
+def chain(ctx: Context, rank: int, *, limit: int = 16) -> list[Wait]:
+    """The waits from ``rank`` down to the end of its chain (first waited-on rank each hop)."""
+    out: list[Wait] = []
+    seen: set[int] = set()
+    cur = rank
+    while cur in ctx.graph.waits and cur not in seen and len(out) < limit:
+        seen.add(cur)
+        w = ctx.graph.waits[cur]
+        if not w.on:
+            break
+        out.append(w)
+        cur = w.on[0]
+    return out
+
+
+def chain_lines(ctx: Context, ranks: list[int]) -> list[str]:
+    """One line per hop of the chains from ``ranks``: who waits in what for whom."""
+    lines: list[str] = []
+    for rank in ranks:
+        for w in chain(ctx, rank):
+            line = f"rank {w.rank} waits in {ctx.describe(w)} for rank(s) {ctx.ranks(w.on)}"
+            if line not in lines:
+                lines.append(line)
+    return lines
+
+
+def _threads(ctx: Context, rank: int, *, frames: int = 4) -> list[dict[str, Any]]:
+    d = ctx.job.digests.get(rank)
+    if d is None:
+        return []
+    return [{"name": t.name, "main": t.is_main, "frames": [str(f) for f in t.frames[:frames]]}
+            for t in d.threads[:8]]
+
+
 def rank_activity(ctx: Context, rank: int, *, last: int = 3) -> dict[str, Any]:
-    """What ``rank`` was doing at dump time: main-thread frame and last ops."""
+    """What ``rank`` was doing at dump time: main-thread frame, thread stacks, last ops."""
     d = ctx.job.digests.get(rank)
     if d is None:
         return {"dump": None}
@@ -60,20 +95,36 @@ def rank_activity(ctx: Context, rank: int, *, last: int = 3) -> dict[str, Any]:
         "dump_reason": d.dump_reason,
         "last_ops": ops,
         "blocked_in": None if rank not in ctx.graph.waits else ctx.describe(ctx.graph.waits[rank]),
+        "threads": _threads(ctx, rank),
     }
 
 
 def doing(ctx: Context, rank: int) -> str:
-    """One clause on what ``rank`` was doing at dump time."""
+    """One clause on what ``rank`` was doing at dump time: where its main thread
+    was (with the frames above it) and its last recorded op."""
     d = ctx.job.digests.get(rank)
     if d is None:
         return f"rank {rank} left no dump"
+    parts = []
     where = d.stuck_at()
     if where:
-        return f"rank {rank} was at {where} at dump time"
+        clause = f"rank {rank} was at {where} at dump time"
+        for t in d.threads:
+            if t.is_main and len(t.frames) > 1:
+                callers = [f for f in t.frames[1:3] if str(f) != where]
+                if callers:
+                    clause += " (called from " + ", ".join(str(f) for f in callers) + ")"
+                break
+        parts.append(clause)
     if d.details:
         det = d.details[max(d.details)]
         state = det.state.name.lower()
-        loc = f" ({det.location})" if det.location else ""
-        return f"rank {rank}'s last recorded op was {det.op} ({state}){loc}"
-    return f"rank {rank} recorded no ops"
+        loc = f" at {det.location}" if det.location else ""
+        gid = ctx.job.group_of.get((rank, det.group))
+        group = "" if gid is None else f" on {ctx.job.groups[gid].desc or ctx.job.groups[gid].name}"
+        number = f" (p2p #{det.p2p_seq})" if det.is_p2p else f" #{det.seq}"
+        parts.append(f"{'its' if where else f'rank {rank}' + chr(39) + 's'} last recorded op was "
+                     f"{det.op}{number}{group} ({state}){loc}")
+    if not parts:
+        return f"rank {rank} recorded no ops"
+    return "; ".join(parts)
