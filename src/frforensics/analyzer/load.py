@@ -28,7 +28,8 @@ from typing import Final
 
 from frforensics.analyzer.digest import DEFAULT_TAIL, RankDigest, digest
 from frforensics.errors import DumpError, NotADumpError, UsageError
-from frforensics.formats import decode_dump, sniff_format
+from frforensics.formats import decode_dump, native, sniff_format
+from frforensics.model import RankTrace, SourceFormat
 from frforensics.report import LoadProblem
 
 __all__ = ["DumpSet", "DumpSource", "discover", "load_dumps", "rank_from_name"]
@@ -161,7 +162,7 @@ def _decode_one(source: DumpSource, prefix: str | None, tail: int) -> _Outcome:
                 data = fh.read()
         if sniff_format(data[:64]) is None and name_rank is None and not source.explicit:
             return _Outcome(source.label, quiet=True)
-        trace = decode_dump(data, source=source.label, rank_hint=name_rank)
+        trace = _decode_for_digest(data, source=source.label, rank_hint=name_rank, tail=tail)
         del data
         if trace.rank is None:
             return _Outcome(
@@ -179,6 +180,23 @@ def _decode_one(source: DumpSource, prefix: str | None, tail: int) -> _Outcome:
         return _Outcome(source.label, error=f"cannot read: {exc.strerror or exc}")
     except MemoryError:
         return _Outcome(source.label, error="out of memory while decoding")
+
+
+def _decode_for_digest(data: bytes, *, source: str, rank_hint: int | None, tail: int) -> RankTrace:
+    """``decode_dump``, but native dumps resolve stacks and shapes only where the digest looks.
+
+    The digest keeps full details of the last ``tail`` entries and the unfinished
+    ones; :func:`native.to_trace` with ``detail_tail`` builds exactly those (see
+    its docstring), which halves the cost of reading a native pickle.
+    """
+    fmt = sniff_format(data[:64])
+    if fmt is SourceFormat.NATIVE_PICKLE:
+        doc = native.decode_pickle(data, source=source)
+    elif fmt is SourceFormat.NATIVE_JSON:
+        doc = native.decode_json(data, source=source)
+    else:
+        return decode_dump(data, source=source, rank_hint=rank_hint)
+    return native.to_trace(doc, source=source, fmt=fmt, rank=rank_hint, detail_tail=tail)
 
 
 def _strip_label(message: str, label: str) -> str:

@@ -25,13 +25,18 @@ global (so no ``REDUCE``/``BUILD`` can reach code) and every persistent id. Olde
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import io
 import json
 import math
+import operator
 import pickle
 import re
-from collections.abc import Mapping
-from typing import Any, Final, NoReturn
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from itertools import chain, repeat
+from operator import itemgetter
+from typing import Any, Final, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -63,10 +68,12 @@ _OP_ALIASES: Final = {
     "allreduce_coalesced": "all_reduce_coalesced",
     "allgather": "all_gather",
     "_allgather_base": "all_gather_into_tensor",
+    "_all_gather_base": "all_gather_into_tensor",
+    "_reduce_scatter_base": "reduce_scatter_tensor",
+    "all_reduce_barrier": "barrier",
     "allgather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
     "allgather_coalesced": "all_gather_coalesced",
     "reducescatter": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter_tensor",
     "alltoall": "all_to_all",
     "alltoall_base": "all_to_all_single",
     "all_to_all_base": "all_to_all_single",
@@ -98,10 +105,33 @@ class NoGlobalsUnpickler(pickle.Unpickler):
         raise UnsafeDumpError("pickle uses persistent ids: refused unread")
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (restored on exit).
+
+    Unpickling a dump allocates ~100,000 containers; each 700 allocations the
+    collector would scan the young ones, and now and then the whole heap, which
+    doubles the cost of ``pickle.loads``. Dumps hold no reference cycles, so
+    reference counting frees them without the collector.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def decode_pickle(data: bytes, *, source: str = "<bytes>") -> Any:
     """Decode a native pickle dump with :class:`NoGlobalsUnpickler`."""
+    # A BufferedReader can be peeked, so the C unpickler reads it in large chunks;
+    # on a bare BytesIO it calls read() once per opcode (protocol 2 has no frames),
+    # four times slower than the decoding itself.
+    stream = io.BufferedReader(io.BytesIO(data), buffer_size=1 << 16)
     try:
-        return NoGlobalsUnpickler(io.BytesIO(data)).load()
+        with _gc_paused():
+            return NoGlobalsUnpickler(stream).load()
     except UnsafeDumpError as exc:
         raise UnsafeDumpError(f"{source}: {exc}") from None
     except RecursionError:
@@ -115,7 +145,8 @@ def decode_pickle(data: bytes, *, source: str = "<bytes>") -> Any:
 def decode_json(data: bytes, *, source: str = "<bytes>") -> Any:
     """Decode a native JSON dump."""
     try:
-        return json.loads(data)
+        with _gc_paused():
+            return json.loads(data)
     except RecursionError:
         raise CorruptDumpError(f"{source}: JSON nests too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
@@ -155,21 +186,44 @@ def normalize_op(profiling_name: str) -> tuple[str, int, int]:
     return _OP_ALIASES.get(base, base), NO_INDEX, NO_INDEX
 
 
-class _Table:
-    """String interning for one trace."""
+class _Table(dict[str, int]):
+    """String interning for one trace: ``table[s]`` is the index of ``s`` (added on first use).
 
-    __slots__ = ("index", "strings")
+    A dict subclass so that ``map(table.__getitem__, column)`` interns a whole
+    column at C speed, calling Python only for strings not seen before.
+    """
+
+    __slots__ = ("strings",)
 
     def __init__(self) -> None:
+        super().__init__()
         self.strings: list[str] = []
-        self.index: dict[str, int] = {}
+
+    def __missing__(self, s: str) -> int:
+        i = self[s] = len(self.strings)
+        self.strings.append(s)
+        return i
 
     def add(self, s: str) -> int:
-        i = self.index.get(s)
-        if i is None:
-            i = self.index[s] = len(self.strings)
-            self.strings.append(s)
-        return i
+        return self[s]
+
+
+class _Memo(dict[Any, int]):
+    """``memo[value]``: ``fill(value)``, computed once per distinct value."""
+
+    __slots__ = ("fill",)
+
+    def __init__(self, fill: Callable[[Any], int]) -> None:
+        super().__init__()
+        self.fill = fill
+
+    def __missing__(self, key: Any) -> int:
+        value = self[key] = self.fill(key)
+        return value
+
+
+class _Irregular(Exception):
+    """The document is not uniform enough for the column-at-a-time reader."""
 
 
 def _int_list(values: list[Any], what: str, source: str) -> np.ndarray:
@@ -183,6 +237,351 @@ def _bad(source: str, what: str) -> NoReturn:
     raise CorruptDumpError(f"{source}: {what}")
 
 
+def _sizes_numel(sizes: Any) -> int:
+    """Elements in ``sizes`` (a list of shapes); shapes that are not lists of ints count 0.
+
+    Raises ``OverflowError`` past int64 (a corrupt dump).
+    """
+    if not isinstance(sizes, list | tuple):
+        return 0
+    numel = 0
+    for shape in sizes:
+        if isinstance(shape, list | tuple) and all(isinstance(d, int) for d in shape):
+            numel += math.prod(shape)
+    return numel
+
+
+def _pg_key(pgt: Any, pg_id: Any) -> tuple[str, str]:
+    if isinstance(pgt, list | tuple) and len(pgt) >= 1:
+        return _as_str(pgt[0]), _as_str(pgt[1]) if len(pgt) > 1 else ""
+    return _as_str(pg_id), ""
+
+
+def _state_of(value: Any) -> int:
+    return int(_STATES.get(_as_str(value), OpState.SCHEDULED))
+
+
+class _Context:
+    """What both column readers share: the string table, groups, op kinds."""
+
+    def __init__(self, config: dict[str, tuple[str, tuple[int, ...] | None]]) -> None:
+        self.config = config
+        self.strings = _Table()
+        self.group_index: dict[str, int] = {}
+        self.groups: list[GroupInfo] = []
+        # one row per distinct profiling_name: (op string index, local peer, p2p by name)
+        self.op_kinds: list[tuple[int, int, bool]] = []
+        self.op_kind = _Memo(self._new_op_kind)
+
+    def group_of(self, name: str, desc: str) -> int:
+        i = self.group_index.get(name)
+        if i is None:
+            cfg_desc, ranks = self.config.get(name, ("", None))
+            i = self.group_index[name] = len(self.groups)
+            self.groups.append(GroupInfo(name=name, desc=desc or cfg_desc, ranks=ranks))
+        return i
+
+    def _new_op_kind(self, profiling_name: Any) -> int:
+        name, _self_rank, peer_local = normalize_op(_as_str(profiling_name))
+        self.op_kinds.append(
+            (self.strings[name], peer_local, name in ("send", "recv", "recv_any_source"))
+        )
+        return len(self.op_kinds) - 1
+
+
+class _Columns(NamedTuple):
+    """The matching columns of every entry (detail columns come separately)."""
+
+    pg: np.ndarray
+    op_kind: np.ndarray  # index into _Context.op_kinds
+    is_p2p: np.ndarray
+    in_numel: np.ndarray
+    out_numel: np.ndarray
+    in_dtypes: np.ndarray
+    state: np.ndarray
+    record_id: np.ndarray
+    seq: np.ndarray
+    p2p_seq: np.ndarray
+    t_enqueue: np.ndarray
+    t_start: np.ndarray
+    t_complete: np.ndarray
+    timeout_ms: np.ndarray
+
+
+_SEQ_TYPES: Final = frozenset({list, tuple})
+_MAX_NUMEL: Final = float(1 << 62)  # beyond this, int64 products or sums could overflow
+_BULK_KEYS: Final = (
+    "process_group", "profiling_name", "is_p2p", "input_sizes", "output_sizes", "input_dtypes",
+    "state", "retired", "record_id", "collective_seq_id", "p2p_seq_id", "time_created_ns",
+    "time_discovered_started_ns", "time_discovered_completed_ns", "timeout_ms",
+)
+
+
+def _bulk_numel(column: Sequence[Any]) -> np.ndarray:
+    """``_sizes_numel`` of a whole column, or ``_Irregular`` unless every shape is well formed.
+
+    Shapes and dims are flattened and typed at C speed and multiplied in numpy;
+    types are checked before any arithmetic, so a hostile ``[["x", 10**9]]``
+    never multiplies a string.
+    """
+    if not set(map(type, column)) <= _SEQ_TYPES:
+        raise _Irregular
+    shapes = list(chain.from_iterable(column))
+    if not set(map(type, shapes)) <= _SEQ_TYPES:
+        raise _Irregular
+    dims = np.array(list(chain.from_iterable(shapes)))
+    if dims.size and (dims.ndim != 1 or dims.dtype.kind != "i" or dims.min() < 0):
+        raise _Irregular  # nested, bool, float, str, huge or negative dims: the general reader
+    per_shape = np.fromiter(map(len, shapes), dtype=np.intp, count=len(shapes))
+    starts = np.zeros(len(shapes), dtype=np.intp)
+    np.cumsum(per_shape[:-1], out=starts[1:])
+    # reduceat needs an element at every start, even for an empty trailing shape
+    padded = np.append(dims, 1)
+    if len(shapes) and np.multiply.reduceat(padded.astype(np.float64), starts).sum() >= _MAX_NUMEL:
+        raise _Irregular  # int64 products or sums could overflow
+    prods = np.multiply.reduceat(padded.astype(np.int64), starts) if len(shapes) else padded[:0]
+    prods[per_shape == 0] = 1  # a scalar (shape []) holds one element
+    cumulative = np.zeros(len(shapes) + 1, dtype=np.int64)
+    np.cumsum(prods, out=cumulative[1:])
+    per_entry = np.fromiter(map(len, column), dtype=np.intp, count=len(column))
+    ends = np.cumsum(per_entry)
+    numel: np.ndarray = cumulative[ends] - cumulative[ends - per_entry]
+    return numel
+
+
+def _bulk_int(column: Sequence[Any], *, none_is_zero: bool) -> np.ndarray:
+    if none_is_zero:
+        column = [0 if v is None else v for v in column]
+    return np.array(column, dtype=np.int64)
+
+
+def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
+    """Column-at-a-time reader for uniform documents (every entry has every key).
+
+    Each field is pulled for all entries with C-level ``map``; distinct values
+    (group tuples, op names, dtype lists, states) are interpreted once. Raises
+    ``_Irregular`` (or a ``KeyError``/``TypeError``/``ValueError``) on anything
+    unusual: the caller then uses the entry-at-a-time reader, which decides what
+    is malformed. Both readers give the same columns.
+    """
+    n = len(entries)
+    # one tuple per entry, transposed into one tuple per field, both at C speed
+    fields = zip(*map(itemgetter(*_BULK_KEYS), entries), strict=True) if n else repeat(())
+    col: dict[str, Sequence[Any]] = dict(zip(_BULK_KEYS, fields, strict=False))
+
+    group = _Memo(lambda pgt: ctx.group_of(*_pg_key(pgt, None)))
+    pgs = col["process_group"]
+    if not set(map(type, pgs)) <= _SEQ_TYPES or not all(pgs):
+        raise _Irregular  # the pg_id fallback is the general reader's business
+    pg = np.fromiter(map(group.__getitem__, pgs), dtype=np.int32, count=n)
+    op_kind = np.fromiter(map(ctx.op_kind.__getitem__, col["profiling_name"]), dtype=np.int32, count=n)
+    is_p2p = np.fromiter(map(bool, col["is_p2p"]), dtype=np.bool_, count=n).view(np.uint8)
+    in_numel = _bulk_numel(col["input_sizes"])
+    out_numel = _bulk_numel(col["output_sizes"])
+    in_dtypes = np.fromiter(
+        map(ctx.strings.__getitem__, map(",".join, col["input_dtypes"])), dtype=np.int32, count=n
+    )
+    states = _Memo(_state_of)
+    state = np.fromiter(map(states.__getitem__, col["state"]), dtype=np.uint8, count=n)
+    retired = np.fromiter(map(operator.is_, col["retired"], repeat(True)), dtype=np.bool_, count=n)
+    seq_ids = col["collective_seq_id"]
+    if None in seq_ids:
+        raise _Irregular  # older dumps: seq_id fallback
+    t_complete = _bulk_int(col["time_discovered_completed_ns"], none_is_zero=True)
+    state[retired | (t_complete != 0)] = OpState.COMPLETED
+    return _Columns(
+        pg=pg,
+        op_kind=op_kind,
+        is_p2p=is_p2p,
+        in_numel=in_numel,
+        out_numel=out_numel,
+        in_dtypes=in_dtypes,
+        state=state,
+        record_id=_bulk_int(col["record_id"], none_is_zero=True),
+        seq=_bulk_int(seq_ids, none_is_zero=False),
+        p2p_seq=_bulk_int(col["p2p_seq_id"], none_is_zero=True),
+        t_enqueue=_bulk_int(col["time_created_ns"], none_is_zero=True),
+        t_start=_bulk_int(col["time_discovered_started_ns"], none_is_zero=True),
+        t_complete=t_complete,
+        timeout_ms=_bulk_int(col["timeout_ms"], none_is_zero=True),
+    )
+
+
+def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str) -> _Columns:
+    """Entry-at-a-time reader: any 2.x schema, absent keys, odd types."""
+    n = len(entries)
+    pg = np.empty(n, dtype=np.int32)
+    op_kind = np.empty(n, dtype=np.int32)
+    is_p2p = np.zeros(n, dtype=np.uint8)
+    in_numel = np.empty(n, dtype=np.int64)
+    out_numel = np.empty(n, dtype=np.int64)
+    in_dtypes = np.empty(n, dtype=np.int32)
+    state = np.empty(n, dtype=np.uint8)
+    retired = np.zeros(n, dtype=np.bool_)
+    strings = ctx.strings
+    try:
+        for i, e in enumerate(entries):
+            pg[i] = ctx.group_of(*_pg_key(e.get("process_group"), e.get("pg_id")))
+            kind = op_kind[i] = ctx.op_kind[_as_str(e.get("profiling_name"))]
+            is_p2p[i] = bool(e.get("is_p2p", ctx.op_kinds[kind][2]))
+            in_numel[i] = _sizes_numel(e.get("input_sizes"))
+            out_numel[i] = _sizes_numel(e.get("output_sizes"))
+            in_dtypes[i] = strings[",".join(map(_as_str, e.get("input_dtypes") or ()))]
+            state[i] = _state_of(e.get("state"))
+            retired[i] = e.get("retired") is True
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        _bad(source, f"malformed entry ({type(exc).__name__}: {exc})")
+
+    def col(key: str, *fallbacks: str) -> np.ndarray:
+        values = []
+        for e in entries:
+            v = e.get(key)
+            for fb in fallbacks:
+                if v is not None:
+                    break
+                v = e.get(fb)
+            values.append(v)
+        return _int_list(values, key, source)
+
+    t_complete = col("time_discovered_completed_ns")
+    state[retired | (t_complete != 0)] = OpState.COMPLETED
+    return _Columns(
+        pg=pg,
+        op_kind=op_kind,
+        is_p2p=is_p2p,
+        in_numel=in_numel,
+        out_numel=out_numel,
+        in_dtypes=in_dtypes,
+        state=state,
+        record_id=col("record_id"),
+        seq=col("collective_seq_id", "seq_id"),
+        p2p_seq=col("p2p_seq_id"),
+        t_enqueue=col("time_created_ns"),
+        t_start=col("time_discovered_started_ns"),
+        t_complete=t_complete,
+        timeout_ms=col("timeout_ms"),
+    )
+
+
+class _Details(NamedTuple):
+    in_shapes: np.ndarray
+    out_shapes: np.ndarray
+    out_dtypes: np.ndarray
+    thread: np.ndarray
+
+
+def _read_details(
+    entries: list[dict[str, Any]], rows: Iterable[int], strings: _Table, source: str
+) -> _Details:
+    """Shapes, output dtypes and thread of the entries at ``rows`` (others: ``NO_INDEX``)."""
+    n = len(entries)
+    in_shapes = np.full(n, NO_INDEX, dtype=np.int32)
+    out_shapes = np.full(n, NO_INDEX, dtype=np.int32)
+    out_dtypes = np.full(n, NO_INDEX, dtype=np.int32)
+    thread = np.full(n, NO_INDEX, dtype=np.int32)
+    try:
+        for i in rows:
+            e = entries[i]
+            in_shapes[i] = strings[str(e.get("input_sizes"))]
+            out_shapes[i] = strings[str(e.get("output_sizes"))]
+            out_dtypes[i] = strings[",".join(map(_as_str, e.get("output_dtypes") or ()))]
+            thread[i] = strings[_as_str(e.get("thread_name"))]
+    except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+        _bad(source, f"malformed entry ({type(exc).__name__}: {exc})")
+    return _Details(in_shapes, out_shapes, out_dtypes, thread)
+
+
+class _Stacks:
+    """Every entry's stack, each distinct stack resolved to ``Frame`` objects once.
+
+    Pickles share one dict per distinct frame (the pickler memoizes them), so an
+    entry's stack is keyed by the identities of its frame objects, computed for
+    all entries at C speed; only a key not seen before is resolved. Identities
+    are stable because ``entries`` stays alive for the whole call. JSON dumps
+    (no memo) get one key per entry and are deduplicated by content.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.stacks: list[tuple[Frame, ...]] = []
+        self._by_content: dict[tuple[Frame, ...], int] = {}
+        self._frame_of: dict[int, Frame] = {}
+        self._by_ids = _Memo(self._resolve)
+        self._frames_of_key: dict[tuple[int, ...], Sequence[Any]] = {}
+
+    def column(self, entries: list[dict[str, Any]]) -> np.ndarray:
+        n = len(entries)
+        frame_lists: list[Any] = list(map(dict.get, entries, repeat("frames")))
+        if not set(map(type, frame_lists)) <= _SEQ_TYPES:
+            return np.fromiter(map(self._one, frame_lists), dtype=np.int32, count=n)
+        id_maps: Iterator[Iterable[int]] = map(map, repeat(id), frame_lists)
+        keys = list(map(tuple, id_maps))
+        self._frames_of_key = dict(zip(keys, frame_lists, strict=True))
+        try:
+            return np.fromiter(map(self._by_ids.__getitem__, keys), dtype=np.int32, count=n)
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            _bad(self.source, f"malformed entry ({type(exc).__name__}: {exc})")
+        finally:
+            self._frames_of_key = {}
+
+    def _one(self, frames: Any) -> int:
+        """One entry's stack index, checked entry by entry (odd types)."""
+        if not frames:
+            return NO_INDEX
+        if not isinstance(frames, list | tuple):
+            _bad(self.source, f"malformed entry ('frames' is a {type(frames).__name__})")
+        try:
+            return self._index_of(tuple(map(self._frame, frames)))
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            _bad(self.source, f"malformed entry ({type(exc).__name__}: {exc})")
+
+    def _resolve(self, key: tuple[int, ...]) -> int:
+        if not key:
+            return NO_INDEX
+        return self._index_of(tuple(map(self._frame, self._frames_of_key[key])))
+
+    def _index_of(self, resolved: tuple[Frame, ...]) -> int:
+        s = self._by_content.get(resolved)
+        if s is None:
+            s = self._by_content[resolved] = len(self.stacks)
+            self.stacks.append(resolved)
+        return s
+
+    def _frame(self, f: Any) -> Frame:
+        hit = self._frame_of.get(id(f))
+        if hit is None:
+            if not isinstance(f, Mapping):
+                raise TypeError(f"frame is a {type(f).__name__}")
+            hit = Frame(_as_str(f.get("filename")), int(f.get("line") or 0), _as_str(f.get("name")))
+            if isinstance(f, dict):  # ids of objects alive for the whole call only
+                self._frame_of[id(f)] = hit
+        return hit
+
+
+def _peers(cols: _Columns, ctx: _Context, groups: tuple[GroupInfo, ...]) -> np.ndarray:
+    """Global rank of each p2p entry's peer (``NO_INDEX`` where unknown)."""
+    n = len(cols.pg)
+    peer = np.full(n, NO_INDEX, dtype=np.int32)
+    if not ctx.op_kinds:
+        return peer
+    local_lut = np.array([k[1] for k in ctx.op_kinds], dtype=np.int64)
+    local = local_lut[cols.op_kind]
+    has_peer = local >= 0
+    if not has_peer.any():
+        return peer
+    for gi, g in enumerate(groups):
+        rows = np.flatnonzero(has_peer & (cols.pg == gi))
+        if not len(rows):
+            continue
+        if g.ranks is not None:
+            lut = np.append(np.array(g.ranks, dtype=np.int64), NO_INDEX)
+            idx = local[rows]
+            peer[rows] = lut[np.where(idx < len(g.ranks), idx, len(g.ranks))]
+        elif _is_default_group(g):
+            peer[rows] = local[rows]  # the default group's ranks are the global ranks
+    return peer
+
+
 def to_trace(
     doc: Any,
     *,
@@ -190,11 +589,22 @@ def to_trace(
     fmt: SourceFormat,
     rank: int | None,
     rank_from: str = "filename",
+    detail_tail: int | None = None,
 ) -> RankTrace:
     """Normalize a decoded native document into a :class:`RankTrace`.
 
     ``rank`` comes from the file name (native dumps carry none); a top-level
     ``rank`` key, where a writer added one, wins.
+
+    ``detail_tail=None`` (the default) resolves every entry in full. With
+    ``detail_tail=N`` the trace is a *matching view* for analysis: every column
+    the cross-rank matching reads is complete, but the report-only columns
+    (``in_shapes``, ``out_shapes``, ``out_dtypes``, ``thread``, ``stack``) are
+    filled only for the last ``N`` entries and every unfinished one — exactly
+    the entries :func:`frforensics.analyzer.digest.digest` keeps — and are
+    ``NO_INDEX`` elsewhere (stacks are always complete: each distinct stack is
+    resolved once). Formatting the shapes of 2000 entries costs a third of
+    decoding the pickle; an analysis shows a few dozen.
     """
     if not isinstance(doc, Mapping):
         raise NotADumpError(f"{source}: not a flight-recorder dump (top level is {type(doc).__name__})")
@@ -202,8 +612,12 @@ def to_trace(
         raise NotADumpError(f"{source}: not a flight-recorder dump (no 'version' or 'entries')")
     version = _as_str(doc.get("version"))
     entries = doc.get("entries") or []
-    if not isinstance(entries, list) or not all(isinstance(e, Mapping) for e in entries):
+    if not isinstance(entries, list):
         _bad(source, "'entries' is not a list of records")
+    if not set(map(type, entries)) <= {dict}:
+        if not all(isinstance(e, Mapping) for e in entries):
+            _bad(source, "'entries' is not a list of records")
+        entries = [dict(e) for e in entries]
     if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
         rank, rank_from = int(doc["rank"]), "content"
 
@@ -220,155 +634,48 @@ def to_trace(
             continue  # gloo writes {'': {name: '', desc: '', ranks: '[]'}}
         config[name] = (_as_str(cfg.get("desc")), _parse_ranks(cfg.get("ranks")))
 
-    group_index: dict[str, int] = {}
-    groups: list[GroupInfo] = []
-
-    def group_of(name: str, desc: str) -> int:
-        i = group_index.get(name)
-        if i is None:
-            cfg_desc, ranks = config.get(name, ("", None))
-            i = group_index[name] = len(groups)
-            groups.append(GroupInfo(name=name, desc=desc or cfg_desc, ranks=ranks))
-        return i
+    ctx = _Context(config)
+    try:
+        cols = _columns_bulk(entries, ctx)
+    except (_Irregular, KeyError, TypeError, ValueError, OverflowError):
+        ctx = _Context(config)  # start clean: the general reader interns in its own order
+        cols = _columns_general(entries, ctx, source)
 
     n = len(entries)
-    strings = _Table()
-    pg = np.empty(n, dtype=np.int32)
-    op = np.empty(n, dtype=np.int32)
-    is_p2p = np.zeros(n, dtype=np.uint8)
-    peer = np.full(n, NO_INDEX, dtype=np.int32)
-    in_shapes = np.empty(n, dtype=np.int32)
-    out_shapes = np.empty(n, dtype=np.int32)
-    in_dtypes = np.empty(n, dtype=np.int32)
-    out_dtypes = np.empty(n, dtype=np.int32)
-    in_numel = np.empty(n, dtype=np.int64)
-    out_numel = np.empty(n, dtype=np.int64)
-    state = np.empty(n, dtype=np.uint8)
-    thread = np.empty(n, dtype=np.int32)
-    stack = np.full(n, NO_INDEX, dtype=np.int32)
+    if detail_tail is None:
+        rows: Iterable[int] = range(n)
+    else:
+        pending = np.flatnonzero(cols.state < OpState.COMPLETED)
+        start = max(0, n - detail_tail)
+        rows = sorted({*range(start, n), *pending[pending < start].tolist()})
+    details = _read_details(entries, rows, ctx.strings, source)
+    stacks = _Stacks(source)
+    stack = stacks.column(entries)
 
-    shape_cache: dict[str, tuple[int, int]] = {}
-    op_cache: dict[str, tuple[int, int, int, bool]] = {}
-    stack_index: dict[tuple[Any, ...], int] = {}
-    stacks: list[tuple[Frame, ...]] = []
-    p2p_local_peer: dict[int, int] = {}
-
-    def shape_of(sizes: Any) -> tuple[int, int]:
-        key = str(sizes)
-        hit = shape_cache.get(key)
-        if hit is None:
-            numel = 0
-            if isinstance(sizes, list | tuple):
-                for shape in sizes:
-                    if isinstance(shape, list | tuple) and all(
-                        isinstance(d, int) and not isinstance(d, bool) for d in shape
-                    ):
-                        numel += math.prod(shape)
-            hit = shape_cache[key] = (strings.add(key), numel)
-        return hit
-
-    try:
-        for i, e in enumerate(entries):
-            pgt = e.get("process_group")
-            if isinstance(pgt, list | tuple) and len(pgt) >= 1:
-                pg_name, pg_desc = _as_str(pgt[0]), _as_str(pgt[1]) if len(pgt) > 1 else ""
-            else:
-                pg_name, pg_desc = _as_str(e.get("pg_id")), ""
-            pg[i] = group_of(pg_name, pg_desc)
-
-            pname = _as_str(e.get("profiling_name"))
-            cached = op_cache.get(pname)
-            if cached is None:
-                name, _self_rank, peer_local = normalize_op(pname)
-                cached = op_cache[pname] = (
-                    strings.add(name), peer_local, 0, name in ("send", "recv", "recv_any_source")
-                )
-            op[i] = cached[0]
-            p2p = bool(e.get("is_p2p", cached[3]))
-            is_p2p[i] = p2p
-            if cached[1] >= 0:
-                p2p_local_peer[i] = cached[1]
-
-            in_shapes[i], in_numel[i] = shape_of(e.get("input_sizes"))
-            out_shapes[i], out_numel[i] = shape_of(e.get("output_sizes"))
-            in_dtypes[i] = strings.add(",".join(map(_as_str, e.get("input_dtypes") or ())))
-            out_dtypes[i] = strings.add(",".join(map(_as_str, e.get("output_dtypes") or ())))
-
-            st = _STATES.get(_as_str(e.get("state")), OpState.SCHEDULED)
-            if e.get("retired") is True or e.get("time_discovered_completed_ns"):
-                st = OpState.COMPLETED
-            state[i] = st
-            thread[i] = strings.add(_as_str(e.get("thread_name")))
-
-            frames = e.get("frames")
-            if frames:
-                key = tuple(map(tuple, map(Mapping.values, frames)))
-                s = stack_index.get(key)
-                if s is None:
-                    s = stack_index[key] = len(stacks)
-                    stacks.append(
-                        tuple(
-                            Frame(
-                                _as_str(f.get("filename")),
-                                int(f.get("line") or 0),
-                                _as_str(f.get("name")),
-                            )
-                            for f in frames
-                        )
-                    )
-                stack[i] = s
-    except (TypeError, ValueError, AttributeError) as exc:
-        _bad(source, f"malformed entry ({type(exc).__name__}: {exc})")
-
-    def col(key: str, *fallbacks: str) -> np.ndarray:
-        values = []
-        for e in entries:
-            v = e.get(key)
-            for fb in fallbacks:
-                if v is not None:
-                    break
-                v = e.get(fb)
-            values.append(v)
-        return _int_list(values, key, source)
-
-    seq = col("collective_seq_id", "seq_id")
-    p2p_seq = col("p2p_seq_id")
-    t_enqueue = col("time_created_ns")
-    t_start = col("time_discovered_started_ns")
-    t_complete = col("time_discovered_completed_ns")
-    timeout_ms = col("timeout_ms")
-    record_id = col("record_id")
-
-    group_tuple = tuple(groups)
-    for i, local in p2p_local_peer.items():
-        g = group_tuple[pg[i]]
-        if g.ranks is not None:
-            peer[i] = g.group_rank_to_global(local)
-        elif _is_default_group(g):
-            peer[i] = local  # the default group's ranks are the global ranks
-
+    group_tuple = tuple(ctx.groups)
+    op_lut = np.array([k[0] for k in ctx.op_kinds] or [NO_INDEX], dtype=np.int32)
     table = EntryTable.from_columns(
         n,
         {
-            "record_id": record_id,
-            "pg": pg,
-            "seq": seq,
-            "p2p_seq": p2p_seq,
-            "op": op,
-            "is_p2p": is_p2p,
-            "peer": peer,
-            "in_numel": in_numel,
-            "out_numel": out_numel,
-            "in_shapes": in_shapes,
-            "out_shapes": out_shapes,
-            "in_dtypes": in_dtypes,
-            "out_dtypes": out_dtypes,
-            "state": state,
-            "t_enqueue_ns": t_enqueue,
-            "t_start_ns": t_start,
-            "t_complete_ns": t_complete,
-            "timeout_ms": timeout_ms,
-            "thread": thread,
+            "record_id": cols.record_id,
+            "pg": cols.pg,
+            "seq": cols.seq,
+            "p2p_seq": cols.p2p_seq,
+            "op": op_lut[cols.op_kind] if n else np.empty(0, dtype=np.int32),
+            "is_p2p": cols.is_p2p,
+            "peer": _peers(cols, ctx, group_tuple),
+            "in_numel": cols.in_numel,
+            "out_numel": cols.out_numel,
+            "in_shapes": details.in_shapes,
+            "out_shapes": details.out_shapes,
+            "in_dtypes": cols.in_dtypes,
+            "out_dtypes": details.out_dtypes,
+            "state": cols.state,
+            "t_enqueue_ns": cols.t_enqueue,
+            "t_start_ns": cols.t_start,
+            "t_complete_ns": cols.t_complete,
+            "timeout_ms": cols.timeout_ms,
+            "thread": details.thread,
             "stack": stack,
         },
     )
@@ -379,8 +686,8 @@ def to_trace(
         format=fmt,
         version=version,
         groups=group_tuple,
-        strings=tuple(strings.strings),
-        stacks=tuple(stacks),
+        strings=tuple(ctx.strings.strings),
+        stacks=tuple(stacks.stacks),
         entries=table,
     )
 
