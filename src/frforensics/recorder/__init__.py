@@ -147,12 +147,24 @@ def _stop(rec: Any) -> None:
     from frforensics.recorder import _pg
 
     _pg.uninstall()
+    if rec.watchdog is not None:
+        rec.watchdog.uninstall_signals()
+    _release(rec)
+
+
+def _release(rec: Any) -> None:
+    """Stop the watchdog and drop every backend Work it holds.
+
+    Works must not outlive the interpreter's orderly shutdown: a daemon thread
+    frozen at exit while holding gloo works ends the process with SIGABRT.
+    """
     dog = rec.watchdog
     if dog is not None:
-        dog.uninstall_signals()
         dog.stop()
         if dog is not threading.current_thread():
             dog.join(timeout=2.0)
+        dog.tracked = []
+    rec.pending.clear()
 
 
 def dump(reason: str = "api", detail: str = "") -> Path | None:

@@ -190,6 +190,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._frf_default = backends[default_device]
         self._frf_default_device = default_device
         self._frf_single = len(backends) == 1
+        self._frf_cuda = "cuda" in backends
 
     # ------------------------------------------------------------ plumbing
 
@@ -236,7 +237,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             device = None
             stream = -1
             event = None
-            if first is not None and first.is_cuda:
+            if self._frf_cuda and first is not None and first.is_cuda:
                 device, stream, event = rec.cuda_info(first)
             rid = rec.count
             entry = [

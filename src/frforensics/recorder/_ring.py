@@ -81,11 +81,14 @@ class FrameFilter:
 
     def __init__(self, prefixes: tuple[str, ...]) -> None:
         self.prefixes = prefixes
-        self.cache: dict[CodeType, bool] = {}
+        # Keyed by id(): hashing a code object hashes its bytecode and constants
+        # (measured ~1 us per frame). The code object is kept in the value, so its
+        # id cannot be reused while the entry exists.
+        self.cache: dict[int, tuple[CodeType, bool]] = {}
 
     def keep(self, code: CodeType) -> bool:
         keep = not code.co_filename.startswith(self.prefixes)
-        self.cache[code] = keep
+        self.cache[id(code)] = (code, keep)
         return keep
 
 
@@ -96,9 +99,8 @@ def capture_stack(frame: FrameType | None, depth: int, flt: FrameFilter) -> tupl
     walked = 0
     while frame is not None and walked < 128:
         code = frame.f_code
-        keep = cache.get(code)
-        if keep is None:
-            keep = flt.keep(code)
+        hit = cache.get(id(code))
+        keep = hit[1] if hit is not None and hit[0] is code else flt.keep(code)
         if keep:
             out.append(code)
             out.append(frame.f_lineno)

@@ -1,0 +1,165 @@
+"""Per-op overhead of the recorder and its dump cost (a benchmark, not a test).
+
+    python bench/bench_recorder.py [--ops 20000] [--repeats 5]
+
+Each configuration runs in its own process (PyTorch reads TORCH_FR_BUFFER_SIZE at
+group creation; the recorder is process-wide), interleaved ``--repeats`` times,
+and the median per-op time is reported:
+
+* ``gloo``: plain gloo, world size 1, PyTorch's recorder off (TORCH_FR_BUFFER_SIZE=0)
+* ``gloo+torch_fr``: the same with PyTorch's built-in recorder on (2000 entries)
+* ``gloo+frforensics``: ours on, PyTorch's off
+* ``noop``: a no-op backend called directly (no recording) — the floor
+* ``noop+frforensics``: the recording wrapper over the no-op backend: our own
+  cost without any network or gloo thread hand-off
+
+and the time and size of a dump of a full 2000-entry ring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+MODES = ["gloo", "gloo+torch_fr", "gloo+frforensics", "noop", "noop+frforensics"]
+
+
+def _child(mode: str, ops: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    dump_dir = tempfile.mkdtemp(prefix="frbench_")
+    result: dict[str, Any] = {"mode": mode}
+    if mode.startswith("gloo"):
+        if "frforensics" in mode:
+            import frforensics.recorder as recorder
+
+            recorder.enable(dump_dir, timeout_s=600, save_native=False,
+                            poll_interval_s=float(os.environ.get("BENCH_POLL_S", "0.01")))
+        from socket import socket
+
+        with socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1)
+        t = torch.ones(16)
+        for _ in range(500):
+            dist.all_reduce(t)
+        start = time.perf_counter_ns()
+        for _ in range(ops):
+            dist.all_reduce(t)
+        result["per_op_us"] = (time.perf_counter_ns() - start) / ops / 1e3
+        dist.destroy_process_group()
+        return result
+
+    # No-op backend: a Python object answering allreduce with a finished work.
+    from pathlib import Path
+
+    from frforensics.recorder import _pg
+    from frforensics.recorder._core import Recorder, RecorderConfig
+
+    class _Done:
+        def is_completed(self) -> bool:
+            return True
+
+        def wait(self, timeout: Any = None) -> bool:
+            return True
+
+    done = _Done()
+
+    class _Noop:
+        def allreduce(self, tensors: Any, opts: Any) -> Any:
+            return done
+
+        def name(self) -> str:
+            return "noop"
+
+    t = torch.ones(16)
+    opts = dist.AllreduceOptions()
+    inner = _Noop()
+    if mode == "noop":
+        call = inner.allreduce
+    else:
+        rec = Recorder(RecorderConfig(dump_dir=Path(dump_dir)))
+        state = rec.new_group(name="0", desc="default_pg", ranks=(0,), backend="noop",
+                              timeout_ms=600_000)
+        pg = _pg.RecordingProcessGroup(rec, state, 0, 1, {"cpu": inner}, "cpu")
+        call = pg.allreduce
+        rec.pending.clear()
+
+    def user_code_depth(k: int) -> None:  # a realistic stack: a few user frames deep
+        if k:
+            return user_code_depth(k - 1)
+        for _ in range(ops):
+            call([t], opts)
+            if mode != "noop" and len(rec.pending) > 4096:
+                rec.pending.clear()
+
+    for _ in range(3):
+        user_code_depth(8)
+    start = time.perf_counter_ns()
+    user_code_depth(8)
+    result["per_op_us"] = (time.perf_counter_ns() - start) / ops / 1e3
+    if mode == "noop+frforensics":
+        from frforensics.formats import frdump
+        from frforensics.model import DumpReason
+        from frforensics.recorder._dump import build_trace
+
+        assert rec.ring.count >= 2000
+        timings = []
+        for _ in range(5):
+            t0 = time.perf_counter_ns()
+            trace = build_trace(rec, DumpReason.API, "bench", None)
+            data = frdump.encode(trace)
+            frdump.write_atomic(Path(dump_dir) / "frdump_rank_0", data)
+            timings.append((time.perf_counter_ns() - t0) / 1e6)
+        result["dump_ms"] = statistics.median(timings)
+        result["dump_bytes"] = len(data)
+        result["dump_entries"] = len(trace.entries)
+        t0 = time.perf_counter_ns()
+        frdump.decode(data)
+        result["decode_ms"] = (time.perf_counter_ns() - t0) / 1e6
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args.ops)))
+        return
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for _ in range(args.repeats):
+        for mode in MODES:
+            env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR",
+                       TORCH_FR_BUFFER_SIZE="2000" if mode == "gloo+torch_fr" else "0")
+            env.pop("FRFORENSICS_ENABLE", None)
+            out = subprocess.run([sys.executable, __file__, "--child", mode, "--ops",
+                                  str(args.ops)], capture_output=True, text=True, env=env,
+                                 check=True, timeout=600)
+            runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {m: statistics.median(r["per_op_us"] for r in runs[m]) for m in MODES}
+    print(f"{'configuration':<20} {'per op (us)':>12} {'added (us)':>12}")
+    base = {"gloo": med["gloo"], "gloo+torch_fr": med["gloo"], "gloo+frforensics": med["gloo"],
+            "noop": med["noop"], "noop+frforensics": med["noop"]}
+    for m in MODES:
+        print(f"{m:<20} {med[m]:>12.2f} {med[m] - base[m]:>12.2f}")
+    last = runs["noop+frforensics"][-1]
+    dump_ms = statistics.median(r["dump_ms"] for r in runs["noop+frforensics"])
+    print(f"dump of {last['dump_entries']} entries: {dump_ms:.1f} ms, "
+          f"{last['dump_bytes'] / 1024:.0f} KiB; decode {last['decode_ms']:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
