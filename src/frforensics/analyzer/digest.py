@@ -146,8 +146,8 @@ class RankDigest:
     first_record_id: int
     op_names: dict[int, str]
     details: dict[int, EntryDetail]
-    # call site of every entry: stable hash of its user frame (0: no frames), and
-    # the hash -> "file:line in function" table; ``numel`` is the input numel of
+    # call site of every entry: stable hash of its whole stack (0: no frames), and
+    # the hash -> user frame ("file:line in function") table; ``numel`` is the input numel of
     # every entry (p2p included), for pairing sends with recvs
     site: U4 | None = None
     sites: dict[int, str] | None = None
@@ -234,13 +234,17 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
             size[e.op == i] = -1
     size[e.is_p2p.astype(bool)] = -1
 
-    stack_sites = [user_frame(frames) for frames in trace.stacks]
-    site_lookup = np.append(
-        np.fromiter((0 if f is None else str_hash(str(f)) for f in stack_sites), dtype=np.uint32,
-                    count=len(stack_sites)), np.uint32(0))
-    sites = {str_hash(str(f)): str(f) for f in stack_sites if f is not None}
-    site = site_lookup[np.where((e.stack >= 0) & (e.stack < len(stack_sites)), e.stack,
-                                len(stack_sites))]
+    # a call site is the whole stack (two call paths may share their user frame);
+    # reports show its user frame
+    stack_ids = [str_hash("|".join(map(str, frames))) for frames in trace.stacks]
+    site_lookup = np.append(np.asarray(stack_ids, dtype=np.uint32), np.uint32(0))
+    sites: dict[int, str] = {}
+    for sid, frames in zip(stack_ids, trace.stacks, strict=True):
+        frame = user_frame(frames)
+        if frame is not None:
+            sites[sid] = str(frame)
+    site = site_lookup[np.where((e.stack >= 0) & (e.stack < len(trace.stacks)), e.stack,
+                                len(trace.stacks))]
 
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(e.state < OpState.COMPLETED).tolist())

@@ -100,24 +100,36 @@ def _op_text(ctx: Context, d: RankDigest, row: int) -> str:
     return f"{op} on {group}{where}"
 
 
+MAX_CONTEXT = 64
+
+
 def order_check(ctx: Context, wait: Wait) -> OrderCheck | None:
-    """Compare ``wait``'s op with what followed its predecessor earlier on that rank."""
+    """Compare ``wait``'s op with what followed the same ops earlier on that rank.
+
+    The context is the longest run of ops just before the blocking one that also
+    occurred earlier in the ring (up to ``MAX_CONTEXT`` ops): a layer loop repeats
+    one op many times, and only the ops around it say which repetition this is.
+    """
     d = ctx.job.digests.get(wait.rank)
     p = wait.row
     if d is None or p < 1:
         return None
-    sig = _signature(d)
-    pred = sig[p - 1]
-    earlier = np.flatnonzero((sig[: p - 1] == pred).all(axis=1))
-    if len(earlier) == 0:
+    _, ids = np.unique(_signature(d)[: p + 1], axis=0, return_inverse=True)
+    ids = ids.reshape(-1)
+    cand = np.flatnonzero(ids[: p - 1] == ids[p - 1])  # earlier ends of the context
+    if len(cand) == 0:
         return OrderCheck(wait.rank, 0, 0, None, _op_text(ctx, d, p - 1))
-    nxt = earlier + 1
-    same = (sig[nxt] == sig[p]).all(axis=1)
-    # the most common successor, for the message
-    keys = [tuple(r) for r in sig[nxt].tolist()]
-    common = Counter(keys).most_common(1)[0][0]
-    row = int(nxt[keys.index(common)])
-    return OrderCheck(wait.rank, len(earlier), int(same.sum()), _op_text(ctx, d, row),
+    for h in range(1, min(MAX_CONTEXT, p)):
+        ok = cand >= h
+        longer = cand[ok][ids[cand[ok] - h] == ids[p - 1 - h]]
+        if len(longer) == 0:
+            break
+        cand = longer
+    nxt = cand + 1
+    same = ids[nxt] == ids[p]
+    common = Counter(ids[nxt].tolist()).most_common(1)[0][0]
+    row = int(nxt[np.flatnonzero(ids[nxt] == common)[0]])
+    return OrderCheck(wait.rank, len(cand), int(same.sum()), _op_text(ctx, d, row),
                       _op_text(ctx, d, p - 1))
 
 
@@ -183,7 +195,8 @@ def detect(ctx: Context) -> list[Finding]:
             evidence={
                 "groups": [ctx.pg(g).to_json() | {"blocked_ranks": sum(
                     1 for w in ctx.graph.waits.values() if w.gid == g)} for g in groups],
-                "cycle": [{"rank": w.rank, "pg": ctx.job.groups[w.gid].name, "op": w.op,
+                "cycle": [{"rank": w.rank, "pg": ctx.job.groups[w.gid].name,
+                           "pg_ranks": list(ctx.job.groups[w.gid].ranks), "op": w.op,
                            "seq": w.seq, "seq_kind": w.seq_kind, "waits_for": list(w.on),
                            "location": w.location,
                            "order": _check_json(checks[w.rank])}
