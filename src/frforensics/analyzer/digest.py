@@ -169,8 +169,12 @@ class RankDigest:
         return self.details.get(row)
 
     def pending_rows(self) -> npt.NDArray[np.intp]:
-        """Rows of entries that had not completed (oldest first)."""
-        return np.flatnonzero(self.state < OpState.COMPLETED)
+        """Rows of entries that had not completed (oldest first).
+
+        A failed op counts: the rank was still waiting in it when it failed (a
+        timeout, or a peer's connection lost).
+        """
+        return np.flatnonzero(self.state != OpState.COMPLETED)
 
     def stuck_at(self) -> str | None:
         """Where the main thread was at dump time (user frame), if known."""
@@ -247,7 +251,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
                                 len(trace.stacks))]
 
     keep = set(range(max(0, n - tail), n))
-    keep.update(np.flatnonzero(e.state < OpState.COMPLETED).tolist())
+    keep.update(np.flatnonzero(e.state != OpState.COMPLETED).tolist())
     details = {row: _detail(trace, row) for row in sorted(keep)}
     return RankDigest(
         rank=rank,

@@ -125,7 +125,8 @@ class JobModel:
         rows = view.coll_rows[d.seq[view.coll_rows] == seq]
         if len(rows) == 0:
             return "unknown"
-        return "completed" if int(d.state[rows].min()) >= OpState.COMPLETED else "entered"
+        done = bool((d.state[rows] == OpState.COMPLETED).all())
+        return "completed" if done else "entered"
 
     def age_s(self, rank: int, row: int) -> float | None:
         """How long entry ``row`` of ``rank`` had been waiting at dump time."""
