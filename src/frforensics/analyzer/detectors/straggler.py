@@ -82,8 +82,13 @@ class ArrivalTable:
     resolution_ns: int
 
 
-def _seg_median(seg: I8, values: F8, n_seg: int) -> F8:
-    """Lower median of ``values`` per segment id (NaN values are ignored)."""
+def _seg_median(seg: I8, values: F8, n_seg: int, *, upper: bool = False) -> F8:
+    """Lower (or upper) median of ``values`` per segment id (NaN values are ignored).
+
+    Which one matters for two-member groups, where it picks the other member:
+    lateness compares a member with the one that waited longest, excess think
+    time with the one that thought least.
+    """
     out = np.full(n_seg, np.nan)
     ok = ~np.isnan(values)
     if not ok.any():
@@ -94,7 +99,8 @@ def _seg_median(seg: I8, values: F8, n_seg: int) -> F8:
     counts = np.bincount(s, minlength=n_seg)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     has = counts > 0
-    out[has] = v[starts[has] + (counts[has] - 1) // 2]
+    mid = counts[has] // 2 if upper else (counts[has] - 1) // 2
+    out[has] = v[starts[has] + mid]
     return out
 
 
@@ -184,7 +190,7 @@ def arrivals(ctx: Context) -> ArrivalTable | None:
 
     if from_completions:
         wait = np.where(seg_has_comp[seg], comp - enq, np.nan)
-        lateness = _seg_median(seg, wait, n_seg)[seg] - wait
+        lateness = _seg_median(seg, wait, n_seg, upper=True)[seg] - wait
         think = enq - rel
     else:
         arrive = enq - offset[pos]

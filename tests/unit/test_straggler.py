@@ -1,0 +1,99 @@
+"""straggler: a rank that consistently arrives last, found through clock offsets,
+jitter and the lateness it spreads to its peers; healthy jobs raise nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
+from frforensics.analyzer.digest import digest
+from frforensics.analyzer.load import DumpSet
+from frforensics.formats import decode_dump
+from frforensics.report import FindingKind, Report, Severity
+from frforensics.testing import JobBuilder, JobDumps
+
+NATIVE = Path(__file__).resolve().parents[1] / "data" / "native"
+LAYOUTS = {8: dict(tp=2, pp=2, dp=2), 64: dict(tp=8, pp=4, dp=2)}
+
+
+def analyze_dumps(dumps: JobDumps, fmt: str) -> Report:
+    ds = DumpSet()
+    if fmt == "frdump":
+        for r, t in dumps.traces().items():
+            ds.digests[r] = digest(t, rank=r)
+    else:
+        for r in dumps.native_ranks:
+            t = decode_dump(dumps.native_bytes(r, "pickle"), source=f"nccl_trace_rank_{r}", rank_hint=r)
+            ds.digests[r] = digest(t, rank=r)
+    return analyze(ds, options=AnalyzeOptions(world_size=dumps.world_size))
+
+
+def job(size: int, seed: int = 0) -> JobBuilder:
+    return JobBuilder(world_size=size, ring_size=2000, seed=seed, **LAYOUTS[size]).steps(20).jitter(ms=0.5)
+
+
+@pytest.mark.parametrize("fmt", ["frdump", "pickle"])
+@pytest.mark.parametrize(("size", "rank", "delay_ms"), [(8, 3, 15.0), (64, 37, 4.0), (64, 5, 25.0)])
+def test_consistently_late_rank_is_the_straggler_despite_clock_offsets(
+        size: int, rank: int, delay_ms: float, fmt: str) -> None:
+    # the straggler's host clock runs 300 ms behind, another host's 250 ms ahead
+    other = (rank + 8) % size
+    dumps = (job(size, seed=size + rank).straggler(rank=rank, delay_ms=delay_ms)
+             .clock_offset(rank=rank, ms=-300).clock_offset(rank=other, ms=250).build())
+    want = dumps.expected
+    report = analyze_dumps(dumps, fmt)
+    assert report.status.value == want.status == "degraded"
+    assert report.exit_code == 0
+    assert report.culprit_ranks == want.culprit_ranks == (rank,)
+    stragglers = [f for f in report.findings if f.kind is FindingKind.STRAGGLER]
+    assert [f.culprit_ranks for f in stragglers] == [(rank,)]
+    f = stragglers[0]
+    assert f.severity is Severity.WARNING
+    late = f.evidence["lateness_ms"]
+    assert delay_ms * 0.8 <= late["median"] <= late["p95"]
+    assert f.evidence["excess_think_ms"] == pytest.approx(delay_ms, rel=0.2)
+    # its TP peers, late elsewhere only because they waited for it, are not blamed
+    assert f.evidence["late_only_by_waiting"]
+    assert rank not in f.evidence["late_only_by_waiting"]
+
+
+def test_completion_polling_resolution_is_tolerated() -> None:
+    dumps = job(64, seed=9).straggler(rank=12, delay_ms=10).completion_poll(ms=2).build()
+    report = analyze_dumps(dumps, "frdump")
+    assert report.culprit_ranks == (12,)
+
+
+@pytest.mark.parametrize("fmt", ["frdump", "pickle"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_jittery_job_with_clock_offsets_raises_nothing(seed: int, fmt: str) -> None:
+    dumps = (job(64, seed=seed).jitter(ms=2.0).clock_offset(rank=3, ms=250)
+             .clock_offset(rank=40, ms=-120).completion_poll(ms=1).build())
+    assert dumps.expected.status == "healthy"
+    report = analyze_dumps(dumps, fmt)
+    assert report.findings == () and report.culprit_ranks == ()
+
+
+def test_straggler_is_a_warning_beside_a_hang_and_never_a_root() -> None:
+    dumps = job(64, seed=4).straggler(rank=9, delay_ms=10).stuck(rank=20, step=18).build()
+    report = analyze_dumps(dumps, "frdump")
+    assert report.status.value == "hang"
+    assert report.culprit_ranks == (20,)
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "json"])
+def test_real_gloo_straggler_from_enqueue_times_only(fmt: str) -> None:
+    report = analyze(load_dumps([NATIVE / "straggler" / fmt], jobs=1),
+                     options=AnalyzeOptions(world_size=4))
+    assert report.status.value == "degraded" and report.culprit_ranks == (1,)
+    f = report.findings[0]
+    assert f.kind is FindingKind.STRAGGLER and f.evidence["basis"] == "enqueue"
+    assert 250 <= f.evidence["lateness_ms"]["median"] <= 350  # the script sleeps 300 ms
+
+
+@pytest.mark.parametrize("scenario", ["healthy", "missing_rank", "timeout"])
+def test_real_gloo_runs_without_a_straggler_raise_none(scenario: str) -> None:
+    report = analyze(load_dumps([NATIVE / scenario / "pickle"], jobs=1),
+                     options=AnalyzeOptions(world_size=4))
+    assert not [f for f in report.findings if f.kind is FindingKind.STRAGGLER]
