@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from frforensics.analyzer.load import DumpSource, _executor, discover, rank_from_name
+from frforensics.analyzer.load import DumpSource, _executor, discover, gc_paused, rank_from_name
 from frforensics.errors import DumpError
 from frforensics.formats import decode_dump, frdump, sniff_format
 
@@ -29,6 +29,11 @@ class ConvertResult:
 
 
 def _convert_one(source: DumpSource, dst: str, prefix: str | None) -> tuple[str, str | None, str]:
+    with gc_paused():
+        return _convert(source, dst, prefix)
+
+
+def _convert(source: DumpSource, dst: str, prefix: str | None) -> tuple[str, str | None, str]:
     rank = rank_from_name(source.label, prefix)
     try:
         if source.data is not None:

@@ -1,0 +1,131 @@
+"""Dump sets for the benchmark, generated once under bench/data/ and reused.
+
+* ``healthy-<N>``: a healthy TP 8 × DP job (no pipeline), 2000 entries per rank,
+  8 frames per entry, as NCCL-style native pickles (``pg_config`` ranks filled,
+  what ``torchfrtrace`` expects) — the job ``torchfrtrace`` analyzes in full.
+* ``hang3d-<N>``: a TP 8 × PP 4 × DP job where one rank skips a TP collective.
+* ``*/frdump``: the same dumps after ``fr-analyze convert``.
+* ``clone-<N>/frdump``: a healthy TP 8 × DP job in frdump written by
+  :func:`write_cloned_frdumps` (for 16,384 ranks, where simulating and pickling
+  every rank would take the better part of an hour on two cores).
+
+A set is complete when its ``.complete`` marker exists; a half-written set is
+regenerated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from frforensics.formats import frdump
+from frforensics.model import GroupInfo, RankTrace
+from frforensics.testing import JobBuilder
+
+ENTRIES = 2000
+STEPS = 200  # enough steps that every ring holds 2000 entries
+PREFIX = "nccl_trace_rank_"
+
+
+def _fresh(path: Path) -> bool:
+    if (path / ".complete").exists():
+        return False
+    if path.exists():
+        shutil.rmtree(path)
+    return True
+
+
+def _done(path: Path, started: float) -> None:
+    (path / ".complete").write_text(f"{time.time() - started:.1f} s\n")
+
+
+def healthy_job(world: int) -> JobBuilder:
+    return JobBuilder(world_size=world, tp=8, dp=world // 8, ring_size=ENTRIES, seed=0).steps(STEPS)
+
+
+def hang_job(world: int) -> JobBuilder:
+    return (JobBuilder(world_size=world, tp=8, pp=4, dp=world // 32, ring_size=ENTRIES, seed=0)
+            .steps(STEPS).skip(rank=13, group="tp", step=STEPS - 2))
+
+
+def native_set(root: Path, name: str, job: JobBuilder, *, jobs: int) -> Path:
+    """``root/name/native``: the job's native pickles (generated once)."""
+    out = root / name / "native"
+    if _fresh(out):
+        started = time.time()
+        print(f"  generating {out} ...", flush=True)
+        job.build().write_native(out, prefix=PREFIX, jobs=jobs)
+        _done(out, started)
+    return out
+
+
+def converted_set(native: Path, *, jobs: int) -> Path:
+    """``native/../frdump``: ``fr-analyze convert`` of a native set (once)."""
+    out = native.parent / "frdump"
+    if _fresh(out):
+        started = time.time()
+        print(f"  converting {native} -> {out} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "frforensics", "convert", str(native), str(out),
+                        "--jobs", str(jobs)], check=True, stdout=subprocess.DEVNULL)
+        _done(out, started)
+    return out
+
+
+def write_cloned_frdumps(out: Path, world: int, *, jobs: int) -> Path:
+    """A healthy TP 8 × DP job of ``world`` ranks in frdump, by cloning one simulated rank.
+
+    Every rank of a healthy TP × DP job runs the same program; the builder
+    simulates a 64-rank job and each rank here is one of its ranks re-labelled:
+    its rank, host, pid and group memberships (TP group ``r // 8``, DP group
+    ``r % 8``) are those of rank ``r`` of the big job. Entries, names and stacks
+    are identical to the simulated rank's.
+    """
+    if not _fresh(out):
+        return out
+    started = time.time()
+    print(f"  generating {out} (cloned) ...", flush=True)
+    out.mkdir(parents=True)
+    template = healthy_job(64).build().traces()
+    chunks = [range(i, world, jobs) for i in range(jobs)]
+    pids = []
+    for chunk in chunks:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                for r in chunk:
+                    data = frdump.encode(_clone(template[r % 64], r, world))
+                    (out / f"frdump_rank_{r}").write_bytes(data)
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    _done(out, started)
+    return out
+
+
+def _hashed(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()
+
+
+def _clone(t: RankTrace, rank: int, world: int) -> RankTrace:
+    tp_group = rank // 8
+    dp_index = rank % 8
+    groups = []
+    for g in t.groups:
+        if g.desc == "default_pg" or g.ranks is None:
+            groups.append(GroupInfo(g.name, g.desc, tuple(range(world)), g.backend))
+        elif "TENSOR" in g.desc:
+            ranks = tuple(range(tp_group * 8, tp_group * 8 + 8))
+            groups.append(GroupInfo(_hashed(f"tp{tp_group}"), g.desc, ranks, g.backend))
+        else:  # the data-parallel group
+            ranks = tuple(range(dp_index, world, 8))
+            groups.append(GroupInfo(_hashed(f"dp{dp_index}"), g.desc, ranks, g.backend))
+    return replace(t, rank=rank, world_size=world, groups=tuple(groups), host=f"node{rank // 8:05d}",
+                   pid=10_000 + rank)

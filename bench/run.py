@@ -1,0 +1,208 @@
+"""The speed benchmark: fr-analyze vs torchfrtrace on identical dump sets.
+
+::
+
+    python bench/run.py [--sizes 256,1024,4096] [--repeat 3] [--jobs N]
+                        [--torch-max 1024] [--big-frdump 16384] [--no-profile]
+
+Generates (once, under bench/data/, see ``_datasets``) healthy TP 8 × DP jobs
+of each size as native pickles and converted frdumps, a 3-D TP × PP × DP job
+with a hang at 256 ranks, and a big frdump set; then, for each set and each
+repeat, runs in turn ``torchfrtrace`` (up to ``--torch-max`` ranks: beyond
+~2048 it does not fit in 24 GiB), ``fr-analyze`` on the pickles,
+``fr-analyze`` on the frdumps and the unpickle-only floor, each in a fresh
+process, measuring wall time and the peak RSS of its process tree. Prints a
+markdown table of medians and writes it, with the raw runs and a profile of
+fr-analyze at the largest size, to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _datasets as datasets
+from _measure import Run, measure
+
+ROOT = Path(__file__).resolve().parent
+VENV_BIN = Path(sys.executable).parent
+TORCHFRTRACE = os.environ.get("TORCHFRTRACE", str(VENV_BIN / "torchfrtrace"))
+FR_ANALYZE = [sys.executable, "-m", "frforensics"]
+
+
+def _median(runs: list[Run]) -> tuple[float, float]:
+    return (statistics.median(r.wall_s for r in runs),
+            statistics.median(r.peak_rss_bytes for r in runs) / 2**30)
+
+
+def _culprits(path: Path) -> str:
+    try:
+        return ",".join(map(str, json.loads(path.read_text())["culprit_ranks"])) or "none"
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def _bench_set(name: str, ranks: int, native: Path | None, frdump: Path | None, *, repeat: int,
+               jobs: int, torch: bool, torch_flags: list[str], results: dict[str, dict[str, Any]]) -> None:
+    tools: dict[str, list[str]] = {}
+    if torch and native is not None:
+        tools["torchfrtrace"] = [TORCHFRTRACE, str(native), "-p", datasets.PREFIX, *torch_flags]
+    if native is not None:
+        tools["fr-analyze native"] = [*FR_ANALYZE, str(native), "--format", "json", "--jobs", str(jobs)]
+    if frdump is not None:
+        tools["fr-analyze frdump"] = [*FR_ANALYZE, str(frdump), "--format", "json", "--jobs", str(jobs)]
+    if native is not None:
+        floor = [sys.executable, str(ROOT / "_floor.py"), str(native), "--jobs", str(jobs)]
+        tools["unpickle floor"] = floor
+        tools["unpickle floor (no gc)"] = [*floor, "--no-gc"]
+    runs: dict[str, list[Run]] = {tool: [] for tool in tools}
+    verdicts: dict[str, str] = {}
+    out = ROOT / "results" / "last-report.json.tmp"
+    for i in range(repeat):
+        for tool, cmd in tools.items():  # alternate tools within each repeat
+            run = measure(cmd, stdout=out if tool.startswith("fr-analyze") else None)
+            runs[tool].append(run)
+            if tool.startswith("fr-analyze"):
+                verdicts[tool] = _culprits(out)
+            print(f"  {name} [{i + 1}/{repeat}] {tool:24s} {run.wall_s:8.2f} s "
+                  f"{run.peak_rss_bytes / 2**30:6.2f} GiB rc={run.returncode}", flush=True)
+    results[name] = {
+        "ranks": ranks,
+        "runs": {t: [r.__dict__ for r in rs] for t, rs in runs.items()},
+        "median": {t: _median(rs) for t, rs in runs.items() if rs},
+        "culprits": verdicts,
+    }
+
+
+def _profile(native: Path, jobs: int) -> str:
+    """cProfile of the main process (merge + analysis) and of one worker's per-rank work."""
+    from frforensics.analyzer import analyze, load_dumps
+    from frforensics.analyzer.load import DumpSource, _decode_batch
+
+    text = io.StringIO()
+    prof = cProfile.Profile()
+    started = time.perf_counter()
+    prof.enable()
+    dumps = load_dumps([native], jobs=jobs)
+    loaded = time.perf_counter()
+    analyze(dumps)
+    prof.disable()
+    done = time.perf_counter()
+    text.write(f"main process, {len(dumps.digests)} ranks, jobs={jobs}: load {loaded - started:.2f} s "
+               f"(workers decode; main waits and receives digests), analyze {done - loaded:.2f} s\n\n")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    files = sorted(p for p in native.iterdir() if not p.name.startswith("."))[:64]
+    prof = cProfile.Profile()
+    prof.enable()
+    _decode_batch([DumpSource(label=str(p), path=str(p)) for p in files], None, 32)
+    prof.disable()
+    text.write(f"\none worker, decode + digest of {len(files)} ranks, in process:\n\n")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    return text.getvalue()
+
+
+def _table(results: dict[str, dict[str, Any]], torch_fit: tuple[float, float] | None) -> str:
+    head = ("| set | ranks | torchfrtrace s / GiB | fr-analyze (pickles) s / GiB | speedup | "
+            "fr-analyze (frdump) s / GiB | speedup | unpickle floor s (no-gc floor) | "
+            "fr-analyze / floor (/ no-gc floor) | culprits (ours) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, r in results.items():
+        med = r["median"]
+        ranks = r["ranks"]
+        torch = med.get("torchfrtrace")
+        torch_txt = f"{torch[0]:.2f} / {torch[1]:.2f}" if torch else "—"
+        torch_s = torch[0] if torch else None
+        if torch is None and torch_fit is not None and "floor" not in name:
+            torch_s = torch_fit[0] + torch_fit[1] * ranks
+            torch_txt = f"~{torch_s:.0f} (extrapolated)"
+        cells = [name, str(ranks), torch_txt]
+        for tool in ("fr-analyze native", "fr-analyze frdump"):
+            m = med.get(tool)
+            if m is None:
+                cells += ["—", "—"]
+                continue
+            cells.append(f"{m[0]:.2f} / {m[1]:.2f}")
+            cells.append(f"{torch_s / m[0]:.1f}×" if torch_s else "—")
+        floor, floor_nogc = med.get("unpickle floor"), med.get("unpickle floor (no gc)")
+        ours = med.get("fr-analyze native")
+        if floor and floor_nogc and ours:
+            cells.append(f"{floor[0]:.2f} ({floor_nogc[0]:.2f})")
+            cells.append(f"{ours[0] / floor[0]:.2f} ({ours[0] / floor_nogc[0]:.2f})")
+        else:
+            cells += ["—", "—"]
+        cells.append(" ".join(f"{k.split()[-1]}: {v}" for k, v in r["culprits"].items()) or "—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fit(results: dict[str, dict[str, Any]]) -> tuple[float, float] | None:
+    pts = [(r["ranks"], r["median"]["torchfrtrace"][0]) for n, r in results.items()
+           if n.startswith("healthy") and "torchfrtrace" in r["median"]]
+    if len(pts) < 2:
+        return None
+    xs, ys = zip(*pts, strict=True)
+    slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+    return ys[0] - slope * xs[0], slope
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="256,1024,4096")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--torch-max", type=int, default=1024)
+    ap.add_argument("--hang-size", type=int, default=256, help="0: skip the 3-D hang set")
+    ap.add_argument("--big-frdump", type=int, default=16384, help="0: skip")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--data", type=Path, default=ROOT / "data")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    (ROOT / "results").mkdir(exist_ok=True)
+
+    print("dump sets:", flush=True)
+    sets: list[tuple[str, int, Path | None, Path | None, list[str]]] = []
+    for n in sizes:
+        native = datasets.native_set(args.data, f"healthy-{n}", datasets.healthy_job(n), jobs=args.jobs)
+        sets.append((f"healthy-{n}", n, native, datasets.converted_set(native, jobs=args.jobs), []))
+    if args.hang_size:
+        n = args.hang_size
+        native = datasets.native_set(args.data, f"hang3d-{n}", datasets.hang_job(n), jobs=args.jobs)
+        sets.append((f"hang3d-{n}", n, native, datasets.converted_set(native, jobs=args.jobs),
+                     ["--allow-incomplete-ranks"]))
+    if args.big_frdump:
+        n = args.big_frdump
+        big = datasets.write_cloned_frdumps(args.data / f"clone-{n}" / "frdump", n, jobs=args.jobs)
+        sets.append((f"clone-{n} (frdump only)", n, None, big, []))
+
+    results: dict[str, dict[str, Any]] = {}
+    for name, n, native_dir, frdump_dir, flags in sets:
+        print(f"{name}:", flush=True)
+        _bench_set(name, n, native_dir, frdump_dir, repeat=args.repeat, jobs=args.jobs,
+                   torch=n <= args.torch_max, torch_flags=flags, results=results)
+    table = _table(results, _fit(results))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    header = (f"fr-analyze vs torchfrtrace, medians of {args.repeat} runs, --jobs {args.jobs}, "
+              f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}\n\n")
+    body = header + table + "\n"
+    if not args.no_profile:
+        largest = max((s for s in sets if s[2] is not None), key=lambda s: s[1])
+        body += f"\n## Profile ({largest[0]})\n\n```\n{_profile(largest[2], args.jobs)}```\n"  # type: ignore[arg-type]
+    (ROOT / "results" / f"bench-{stamp}.md").write_text(body)
+    (ROOT / "results" / f"bench-{stamp}.json").write_text(json.dumps(results, indent=1))
+    print()
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
