@@ -24,14 +24,14 @@ import tarfile
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
 from frforensics.analyzer.digest import DEFAULT_TAIL, RankDigest, digest
 from frforensics.errors import DumpError, NotADumpError, UsageError
 from frforensics.formats import decode_dump, native, sniff_format
-from frforensics.model import RankTrace, SourceFormat
+from frforensics.model import GroupInfo, RankTrace, SourceFormat
 from frforensics.report import LoadProblem
 
 __all__ = ["DumpSet", "DumpSource", "discover", "gc_paused", "load_dumps", "rank_from_name"]
@@ -226,9 +226,18 @@ def gc_paused() -> Iterator[None]:
 
 def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int) -> list[_Outcome]:
     out = []
+    # Every rank lists the groups it belongs to, the default group with all its
+    # ranks: at 16,384 ranks that is 16,384 ints per digest, 10 GB if each digest
+    # kept its own copy. Equal groups share one object within a batch, which the
+    # pickle carrying the batch back then stores once.
+    shared: dict[GroupInfo, GroupInfo] = {}
     for source in batch:
         with gc_paused():
-            out.append(_decode_one(source, prefix, tail))
+            outcome = _decode_one(source, prefix, tail)
+        if outcome.digest is not None:
+            groups = tuple(shared.setdefault(g, g) for g in outcome.digest.groups)
+            outcome = replace(outcome, digest=replace(outcome.digest, groups=groups))
+        out.append(outcome)
     return out
 
 
