@@ -89,14 +89,26 @@ def _signature(d: RankDigest) -> npt.NDArray[np.int64]:
     ], axis=1)
 
 
+def _short_group(ctx: Context, gid: int) -> str:
+    g = ctx.job.groups[gid]
+    desc = g.desc if g.desc and g.desc != "undefined" else f"group {g.name}"
+    return f"{desc} (ranks {ctx.ranks(g.ranks)})"
+
+
+def _short_site(site: str) -> str:
+    """``/a/b/file.py:12 in fn`` -> ``file.py:12 in fn`` (evidence keeps the full path)."""
+    path, _, rest = site.partition(":")
+    return f"{path.rsplit('/', 1)[-1]}:{rest}" if rest else site
+
+
 def _op_text(ctx: Context, d: RankDigest, row: int) -> str:
     gid = ctx.job.group_of.get((d.rank, int(d.group[row])))
-    group = "?" if gid is None else ctx.pg_label(gid)
+    group = "?" if gid is None else _short_group(ctx, gid)
     op = d.op_names.get(int(d.op_hash[row]), "?")
     where = ""
     if d.site is not None and d.sites is not None:
         loc = d.sites.get(int(d.site[row]))
-        where = f" at {loc}" if loc else ""
+        where = f" at {_short_site(loc)}" if loc else ""
     return f"{op} on {group}{where}"
 
 
@@ -163,11 +175,9 @@ def detect(ctx: Context) -> list[Finding]:
                 basis = "none"
         inverted = set(culprits) != set(cycle.ranks)
         by_rank = {w.rank: w for w in cycle.waits}
-        lines = [f"rank {w.rank} waits in {ctx.describe(w)} for rank(s) {ctx.ranks(w.on)}"
-                 + (f" ({w.location})" if w.location else "") for w in cycle.waits]
         orders = _orders(ctx, culprits, checks, by_rank, conforming) if basis == "own_history" else ""
         if inverted:
-            verdict = (f"rank(s) {ctx.ranks(culprits)} issued the groups' collectives in the "
+            verdict = (f"rank(s) {ctx.ranks(culprits)} issued two groups' collectives in the "
                        "opposite order to the others")
         else:
             verdict = ("the ranks issued the groups' collectives in opposite orders, and the "
@@ -175,12 +185,10 @@ def detect(ctx: Context) -> list[Finding]:
         first = by_rank[culprits[0]]
         groups = sorted({w.gid for w in cycle.waits})
         waiting = sorted(cycle.waiters | (set(cycle.ranks) - set(culprits)))
-        msg = (f"deadlock across {len(groups)} groups: {verdict}"
-               + (f". {orders}" if orders else "")
-               + ". Cycle: " + "; ".join(lines[:6])
-               + (f"; … {len(lines) - 6} more" if len(lines) > 6 else ""))
+        msg = f"deadlock across {len(groups)} groups: {verdict}" + (f". {orders}" if orders else "")
+        msg += ". Cycle: " + _ring(ctx, cycle.waits)
         if cycle.waiters:
-            msg += f". {len(cycle.waiters)} more rank(s) wait on the cycle"
+            msg += f"; {len(cycle.waiters)} more rank(s) wait on it"
         findings.append(Finding(
             kind=FindingKind.CROSS_PG_DEADLOCK,
             severity=Severity.ERROR,
@@ -216,17 +224,33 @@ def _orders(ctx: Context, culprits: tuple[int, ...], checks: dict[int, OrderChec
             by_rank: dict[int, Wait], conforming: set[int]) -> str:
     """Both orders, with code locations: the deviants' and the one they broke."""
     parts = []
-    for r in culprits[:3]:
+    for r in culprits[:2]:
         c = checks[r]
         if c is None:
             continue
         now = _op_text(ctx, ctx.job.digests[r], by_rank[r].row)
-        parts.append(f"rank {r} issued {now} right after {c.previous}, where the {c.seen} "
-                     f"earlier time(s) it issued {c.usual_next}")
+        parts.append(f"Rank {r} issued {now} right after {c.previous}; the {c.seen} earlier "
+                     f"time(s) it issued {c.usual_next} next")
+    if len(culprits) > 2:
+        parts.append(f"ranks {ctx.ranks(culprits[2:])} likewise")
     others = sorted(conforming)
     if others:
-        parts.append(f"rank(s) {ctx.ranks(others)} kept the usual order")
-    return "; ".join(parts)
+        parts.append(f"rank(s) {ctx.ranks(others)} kept that order and wait")
+    return ". ".join(parts)
+
+
+def _ring(ctx: Context, waits: list[Wait]) -> str:
+    """``17 (all_reduce #715 on TP) -> 18 (...) -> ... -> 17``, following the edges."""
+    by_rank = {w.rank: w for w in waits}
+    start = min(by_rank)
+    out: list[str] = []
+    cur, seen = start, set()
+    while cur in by_rank and cur not in seen and len(out) < 8:
+        seen.add(cur)
+        w = by_rank[cur]
+        out.append(f"{cur} ({w.op} #{w.seq} on {_short_group(ctx, w.gid)})")
+        cur = next((t for t in w.on if t in by_rank), start)
+    return " waits for ".join(out) + f" waits for {cur}" + ("" if len(out) < 8 else " …")
 
 
 def _progress(job: JobModel, rank: int, gid_at: int, seq_at: int, gid_other: int) -> int | None:
