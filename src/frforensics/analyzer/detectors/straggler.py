@@ -212,6 +212,12 @@ def arrivals(ctx: Context) -> ArrivalTable | None:
     )
 
 
+def _short_group(ctx: Context, gid: int) -> str:
+    g = ctx.job.groups[gid]
+    desc = g.desc if g.desc and g.desc != "undefined" else f"group {g.name}"
+    return f"{desc} (ranks {ctx.ranks(g.ranks)})"
+
+
 def _ms(ns: float) -> str:
     return f"{ns / 1e6:.1f} ms" if abs(ns) >= 1e5 else f"{ns / 1e3:.0f} µs"
 
@@ -258,10 +264,10 @@ def detect(ctx: Context) -> list[Finding]:
         by_group = Counter(table.gid[mine].tolist())
         top_gid = by_group.most_common(1)[0][0]
         top_op = Counter(table.op[mine & (table.gid == top_gid)].tolist()).most_common(1)[0][0]
-        groups_txt = ", ".join(f"{ctx.pg_label(g)}: {n}" for g, n in by_group.most_common(3))
+        groups_txt = ", ".join(f"{_short_group(ctx, g)}: {n}" for g, n in by_group.most_common(3))
         others = [v for v in victims if v != rank]
         msg = (f"rank {rank} arrives last: late in {int(count[p])} of {int(total[p])} collectives "
-               f"by {_ms(median)} (median; p95 {_ms(p95)}) after the other members — {groups_txt}; "
+               f"by {_ms(median)} (median; p95 {_ms(p95)}) after the other members, in {groups_txt}; "
                f"its own time between ops is {_ms(float(np.median(exc)))} longer than its peers', "
                "so the delay starts on this rank")
         if others:
