@@ -1,6 +1,7 @@
 """Per-op overhead of the recorder and its dump cost (a benchmark, not a test).
 
     python bench/bench_recorder.py [--ops 20000] [--repeats 5]
+    python bench/bench_recorder.py --inprocess [--stack-depth 8]
 
 Each configuration runs in its own process (PyTorch reads TORCH_FR_BUFFER_SIZE at
 group creation; the recorder is process-wide), interleaved ``--repeats`` times,
@@ -13,7 +14,12 @@ and the median per-op time is reported:
 * ``noop+frforensics``: the recording wrapper over the no-op backend: our own
   cost without any network or gloo thread hand-off
 
-and the time and size of a dump of a full 2000-entry ring.
+and the time and size of a dump of a full 2000-entry ring. Ops are issued 8
+frames deep (like a training loop). Besides wall time per op, the main thread's
+CPU time per op (``time.thread_time_ns``) is reported: on a shared machine it is
+far less noisy than wall time, and it is what the recorder adds to the training
+thread (the watchdog's own CPU is reported by ``--watchdog``-free design: it
+polls only each group's newest op and the ops still running).
 """
 
 from __future__ import annotations
@@ -29,6 +35,13 @@ import time
 from typing import Any
 
 MODES = ["gloo", "gloo+torch_fr", "gloo+frforensics", "noop", "noop+frforensics"]
+
+
+def _in_user_code(depth: int, body: Any) -> Any:
+    """Run ``body`` ``depth`` frames deep: a stack like a training loop's."""
+    if depth:
+        return _in_user_code(depth - 1, body)
+    return body()
 
 
 def _child(mode: str, ops: int) -> dict[str, Any]:
@@ -53,10 +66,11 @@ def _child(mode: str, ops: int) -> dict[str, Any]:
         t = torch.ones(16)
         for _ in range(500):
             dist.all_reduce(t)
+        cpu0 = time.thread_time_ns()
         start = time.perf_counter_ns()
-        for _ in range(ops):
-            dist.all_reduce(t)
+        _in_user_code(8, lambda: [dist.all_reduce(t) for _ in range(ops)])
         result["per_op_us"] = (time.perf_counter_ns() - start) / ops / 1e3
+        result["cpu_us"] = (time.thread_time_ns() - cpu0) / ops / 1e3
         dist.destroy_process_group()
         return result
 
@@ -105,9 +119,11 @@ def _child(mode: str, ops: int) -> dict[str, Any]:
 
     for _ in range(3):
         user_code_depth(8)
+    cpu0 = time.thread_time_ns()
     start = time.perf_counter_ns()
     user_code_depth(8)
     result["per_op_us"] = (time.perf_counter_ns() - start) / ops / 1e3
+    result["cpu_us"] = (time.thread_time_ns() - cpu0) / ops / 1e3
     if mode == "noop+frforensics":
         from frforensics.formats import frdump
         from frforensics.model import DumpReason
@@ -130,12 +146,66 @@ def _child(mode: str, ops: int) -> dict[str, Any]:
     return result
 
 
+def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
+    """Plain and recorded gloo groups in one process, interleaved (see docs/recorder.md)."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    from socket import socket
+
+    import torch
+    import torch.distributed as dist
+
+    import frforensics.recorder as recorder
+    from frforensics.recorder import _pg
+
+    recorder.enable(tempfile.mkdtemp(prefix="frbench_"), timeout_s=600, save_native=False,
+                    stack_depth=stack_depth)
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    _pg.uninstall()  # the next group is a plain gloo one
+    plain = dist.new_group([0], backend="gloo")
+    rec = recorder._recorder()
+    dog_clock = time.pthread_getcpuclockid(rec.watchdog.ident)
+    t = torch.ones(16)
+    cases = {"plain gloo": lambda: dist.all_reduce(t, group=plain),
+             "gloo + frforensics": lambda: dist.all_reduce(t)}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    wall: dict[str, list[float]] = {k: [] for k in cases}
+    dog: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(repeats):
+        for name, call in cases.items():
+            for _ in range(100):
+                call()
+            d0 = time.clock_gettime_ns(dog_clock)
+            c0 = time.thread_time_ns()
+            w0 = time.perf_counter_ns()
+            _in_user_code(6, lambda call=call: [call() for _ in range(ops)])
+            wall[name].append((time.perf_counter_ns() - w0) / ops / 1e3)
+            cpu[name].append((time.thread_time_ns() - c0) / ops / 1e3)
+            dog[name].append((time.clock_gettime_ns(dog_clock) - d0) / ops / 1e3)
+    print(f"stack_depth={stack_depth}; medians of {repeats} interleaved repeats of {ops} ops")
+    print(f"{'configuration':<20} {'wall/op':>9} {'cpu/op':>9} {'watchdog cpu/op':>16} (us)")
+    for name in cases:
+        print(f"{name:<20} {statistics.median(wall[name]):>9.2f} "
+              f"{statistics.median(cpu[name]):>9.2f} {statistics.median(dog[name]):>16.2f}")
+    rec.watchdog.drop_works()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ops", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--inprocess", action="store_true",
+                        help="plain vs recorded gloo interleaved in one process (CPU per op)")
+    parser.add_argument("--stack-depth", type=int, default=8)
     args = parser.parse_args()
+    if args.inprocess:
+        _inprocess(min(args.ops, 3000), max(args.repeats, 9), args.stack_depth)
+        return
     if args.child:
         print(json.dumps(_child(args.child, args.ops)))
         return
@@ -150,11 +220,14 @@ def main() -> None:
                                  check=True, timeout=600)
             runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
     med = {m: statistics.median(r["per_op_us"] for r in runs[m]) for m in MODES}
-    print(f"{'configuration':<20} {'per op (us)':>12} {'added (us)':>12}")
-    base = {"gloo": med["gloo"], "gloo+torch_fr": med["gloo"], "gloo+frforensics": med["gloo"],
-            "noop": med["noop"], "noop+frforensics": med["noop"]}
+    cpu = {m: statistics.median(r["cpu_us"] for r in runs[m]) for m in MODES}
+    print(f"{'configuration':<20} {'wall/op (us)':>12} {'added':>8} {'cpu/op (us)':>12} "
+          f"{'added':>8}")
+    base = {m: "noop" if m.startswith("noop") else "gloo" for m in MODES}
     for m in MODES:
-        print(f"{m:<20} {med[m]:>12.2f} {med[m] - base[m]:>12.2f}")
+        b = base[m]
+        print(f"{m:<20} {med[m]:>12.2f} {med[m] - med[b]:>8.2f} {cpu[m]:>12.2f} "
+              f"{cpu[m] - cpu[b]:>8.2f}")
     last = runs["noop+frforensics"][-1]
     dump_ms = statistics.median(r["dump_ms"] for r in runs["noop+frforensics"])
     print(f"dump of {last['dump_entries']} entries: {dump_ms:.1f} ms, "

@@ -85,6 +85,32 @@ def test_stack_capture_skips_filtered_frames_and_keeps_the_innermost_first():
     assert all(code.co_filename != os.path.abspath(__file__) for code in kept)
 
 
+def test_captured_bytecode_offsets_resolve_to_the_calling_lines():
+    flt = R.FrameFilter((os.path.abspath(__file__) + "-nothing",))
+    expected: list[int] = []
+
+    def inner():
+        frame = sys._getframe(0)
+        stack = R.capture_stack(frame, 3, flt)
+        expected.extend([frame.f_lineno, frame.f_back.f_lineno, frame.f_back.f_back.f_lineno])
+        return stack
+
+    def outer():
+        return inner()
+
+    stack = outer()
+    lines = [R.line_of(stack[i], stack[i + 1]) for i in range(0, len(stack), 2)]
+    assert lines[1:] == expected[1:]  # the innermost frame moved on between the two reads
+    assert lines[0] == expected[0] - 1
+
+
+def test_frame_filter_forgets_its_verdicts_past_its_limit():
+    flt = R.FrameFilter(("/nowhere/",), limit=3)
+    codes = [compile(f"x = {i}", f"f{i}.py", "exec") for i in range(5)]
+    assert all(flt.keep(c) for c in codes)
+    assert len(flt.codes) <= 3 and id(codes[-1]) in flt.keep_ids
+
+
 SINGLE_RANK = """
 import sys, torch, torch.distributed as dist, frforensics.recorder as fr
 from frforensics.formats import decode_dump

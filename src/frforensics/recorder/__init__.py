@@ -163,7 +163,7 @@ def _release(rec: Any) -> None:
         dog.stop()
         if dog is not threading.current_thread():
             dog.join(timeout=2.0)
-        dog.tracked = []
+        dog.drop_works()
     rec.pending.clear()
 
 
@@ -234,13 +234,19 @@ def _at_exit() -> None:
                     if payload is not None:
                         dog.answer_flag(payload)
         mode = rec.config.dump_on_exit
-        unfinished = bool(dog.tracked) if dog is not None else False
+        unfinished = dog.unfinished() if dog is not None else False
         if mode == "always" or (mode == "auto" and unfinished):
             death = DeathInfo(kind="exit", message="process exited with ops unfinished"
                               if unfinished else "process exited")
             rec.dump(DumpReason.EXIT, death.message, death=death, automatic=True)
         if dog is not None:
             dog.stop()
+            # A daemon thread frozen at shutdown while the interpreter still holds
+            # backend works ends the process with "terminate called without an
+            # active exception" (SIGABRT): let go of them now.
+            if dog is not threading.current_thread():
+                dog.join(timeout=1.0)
+            dog.drop_works()
     except Exception:
         pass
 

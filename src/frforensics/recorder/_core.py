@@ -178,6 +178,12 @@ class Recorder:
                 from frforensics.formats import frdump
                 from frforensics.recorder._dump import build_trace
 
+                if self.watchdog is not None:
+                    try:
+                        self.watchdog.settle_for_dump()
+                    except Exception as exc:
+                        self.note_error("settle", exc)
+
                 trace = build_trace(self, reason, detail, death)
                 path = frdump.write_atomic(self.dump_path(), frdump.encode(trace))
                 self.dumped_reasons.append(reason)

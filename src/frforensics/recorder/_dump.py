@@ -54,6 +54,7 @@ def _dtype_name(dtype: Any) -> str:
 def _reduce_name(op: Any) -> str:
     if op is None:
         return ""
+    op = getattr(op, "reduceOp", op)  # an options object recorded in place of its op
     inner = getattr(op, "op", op)
     name = getattr(inner, "name", None)
     return str(name) if name else str(inner).rsplit(".", 1)[-1]
@@ -89,13 +90,17 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     meta_cache: dict[tuple[Any, ...], tuple[int, int, int]] = {}
     thread_names = {t.ident: t.name for t in threading.enumerate()}
 
-    def stack_of(raw: tuple[Any, ...]) -> int:
-        if not raw:
+    def stack_of(raw_list: list[Any] | tuple[Any, ...]) -> int:
+        if not raw_list:
             return -1
-        i = raw_stack_index.get(raw)
+        raw = tuple(raw_list)
+        # Keyed by code ids, not code objects: hashing a code object hashes its
+        # bytecode and constants (the entries keep the codes alive meanwhile).
+        key = tuple([x if type(x) is int else id(x) for x in raw])
+        i = raw_stack_index.get(key)
         if i is None:
             frames = tuple(
-                Frame(raw[k].co_filename, int(raw[k + 1] or 0),
+                Frame(raw[k].co_filename, R.line_of(raw[k], raw[k + 1]),
                       getattr(raw[k], "co_qualname", raw[k].co_name))
                 for k in range(0, len(raw), 2)
             )
@@ -103,7 +108,7 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
             if i is None:
                 i = stack_index[frames] = len(stacks)
                 stacks.append(frames)
-            raw_stack_index[raw] = i
+            raw_stack_index[key] = i
         return i
 
     def meta_of(meta: tuple[Any, ...]) -> tuple[int, int, int]:

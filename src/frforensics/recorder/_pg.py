@@ -56,6 +56,9 @@ if hasattr(_BackendType, "XCCL"):
 _mono = time.monotonic_ns
 _get_ident = threading.get_ident
 _getframe = sys._getframe
+_capture = R.capture_stack
+_Tensor = torch.Tensor
+_AllreduceOptions = dist.AllreduceOptions
 
 
 @dataclass
@@ -78,8 +81,10 @@ class GroupState:
         "backend",
         "block_id",
         "block_p2p",
+        "cuda",
         "desc",
         "index",
+        "last",
         "name",
         "p2p_seq",
         "ranks",
@@ -103,6 +108,10 @@ class GroupState:
         self.recv_count: dict[int, int] = {}
         self.block_id = -1  # coalescing block in progress (-1: none)
         self.block_p2p = -1  # -1 unknown yet, 0 collective block, 1 p2p block
+        # The newest (entry, work) of this group: the watchdog polls it; when the
+        # next op comes, it is dropped if done, else handed to the watchdog.
+        self.last: tuple[list[Any], Any] | None = None
+        self.cuda = False  # the group has a CUDA backend (is_completed queries events)
 
     def global_rank(self, group_rank: int) -> int:
         ranks = self.ranks
@@ -110,7 +119,9 @@ class GroupState:
 
 
 def _as_list(tensors: Any) -> list[Any]:
-    if isinstance(tensors, torch.Tensor):
+    if type(tensors) is list:
+        return tensors
+    if isinstance(tensors, _Tensor):
         return [tensors]
     return list(tensors) if tensors is not None else []
 
@@ -124,6 +135,49 @@ def _meta(tensors: Sequence[Any]) -> tuple[Any, ...]:
 
 def _meta_nested(lists: Sequence[Sequence[Any]]) -> tuple[Any, ...]:
     return tuple((t.shape, t.dtype) for sub in lists for t in sub)
+
+
+def _advance(st: GroupState, op: str, peer: int, is_p2p: bool,
+             block: int) -> tuple[int, int, int]:
+    """Sequence numbers of a p2p op or of an op inside a coalescing block."""
+    if block < 0:
+        st.p2p_seq += 1  # a p2p op outside a block (collectives take the fast path)
+        seq, p2p_seq = st.seq, st.p2p_seq
+    else:  # inside a coalescing block: every op shares the closing seq
+        if st.block_p2p < 0:
+            st.block_p2p = 1 if is_p2p else 0
+        if st.block_p2p:
+            seq, p2p_seq = st.seq, st.p2p_seq + 1
+        else:
+            seq, p2p_seq = st.seq + 1, st.p2p_seq
+    peer_seq = -1
+    if is_p2p:
+        counts = st.send_count if op == "send" else st.recv_count
+        peer_seq = counts.get(peer, 0) + 1
+        counts[peer] = peer_seq
+    return seq, p2p_seq, peer_seq
+
+
+def _push(st: GroupState, pending: Any, entry: list[Any], work: Any) -> None:
+    """Make ``(entry, work)`` the group's newest op; settle the previous one.
+
+    Most ops are finished when the next one is issued (``dist.*`` waits on
+    them): those are stamped here and dropped at once, so the watchdog only
+    ever looks at each group's newest op and at the few ops still running when
+    their successor was issued (``pending``). The stamp is no later than the
+    watchdog's would have been. CUDA works go to the watchdog (``is_completed``
+    queries events there, not on the training thread).
+    """
+    prev = st.last
+    st.last = (entry, work)
+    if prev is not None:
+        pe = prev[0]
+        if pe[13] < 2:  # R.STATE < R.COMPLETED
+            if not st.cuda and prev[1].is_completed():
+                pe[16] = _mono()  # R.T_COMPLETE
+                pe[13] = 2
+            else:
+                pending.append(prev)
 
 
 class RecordedWork(dist.Work):  # type: ignore[misc]
@@ -189,8 +243,9 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._frf_backends = backends
         self._frf_default = backends[default_device]
         self._frf_default_device = default_device
-        self._frf_single = len(backends) == 1
-        self._frf_cuda = "cuda" in backends
+        # One backend object for every device (plain "gloo" maps cpu and cuda to it).
+        self._frf_single = len({id(b) for b in backends.values()}) == 1
+        self._frf_cuda = bool(state.cuda)
 
     # ------------------------------------------------------------ plumbing
 
@@ -209,42 +264,30 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _frf_record(self, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...],
                     reduce_op: Any, root: int, peer: int, is_p2p: bool,
                     first: Any) -> list[Any] | None:
+        # The hot path: every statement here is paid per op (see docs/recorder.md,
+        # "Overhead"). References only; names and strings are made at dump time.
         rec = self._frf_rec
         if not rec.active:
             return None
         try:
             st = self._frf_state
             block = st.block_id
-            peer_seq = -1
-            if block < 0:
-                if is_p2p:
-                    st.p2p_seq += 1
-                else:
-                    st.seq += 1
-                seq = st.seq
+            if block < 0 and not is_p2p:  # the common case: a collective
+                st.seq = seq = st.seq + 1
                 p2p_seq = st.p2p_seq
-            else:  # inside a coalescing block: every op shares the closing seq
-                if st.block_p2p < 0:
-                    st.block_p2p = 1 if is_p2p else 0
-                if st.block_p2p:
-                    seq, p2p_seq = st.seq, st.p2p_seq + 1
-                else:
-                    seq, p2p_seq = st.seq + 1, st.p2p_seq
-            if is_p2p:
-                counts = st.send_count if op == "send" else st.recv_count
-                peer_seq = counts.get(peer, 0) + 1
-                counts[peer] = peer_seq
-            device = None
-            stream = -1
-            event = None
+                peer_seq = -1
+            else:
+                seq, p2p_seq, peer_seq = _advance(st, op, peer, is_p2p, block)
             if self._frf_cuda and first is not None and first.is_cuda:
                 device, stream, event = rec.cuda_info(first)
+            else:
+                device, stream, event = None, -1, None
             rid = rec.count
             entry = [
                 rid, st.index, seq, p2p_seq, peer_seq, op, is_p2p, peer, root, block,
-                inputs, outputs, reduce_op, R.SCHEDULED, _mono(), 0, 0, st.timeout_ms,
+                inputs, outputs, reduce_op, 0, _mono(), 0, 0, st.timeout_ms,
                 _get_ident(), device, stream,
-                R.capture_stack(_getframe(2), rec.stack_depth, rec.frame_filter), event,
+                _capture(_getframe(2), rec.stack_depth, rec.frame_filter), event,
             ]
             ring = rec.ring
             ring.slots[rid % ring.capacity] = entry
@@ -257,28 +300,42 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     def _frf_track(self, entry: list[Any] | None, work: Any, wrap: bool) -> Any:
         if entry is None or work is None:
             return work
-        rec = self._frf_rec
         try:
             if wrap:
                 work = RecordedWork(work, entry)
-            rec.pending.append((entry, work))
+            _push(self._frf_state, self._frf_rec.pending, entry, work)
         except Exception as exc:
-            rec.note_error("track", exc)
+            self._frf_rec.note_error("track", exc)
         return work
 
     # ------------------------------------------------------------ collectives
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Any:
-        tensors = _as_list(tensors)
-        if opts is None or not isinstance(opts, dist.AllreduceOptions):
+        # The most frequent op (DDP, most training loops): written out flat.
+        if type(tensors) is not list:
+            tensors = _as_list(tensors)
+        if opts is None or not isinstance(opts, _AllreduceOptions):
             op = opts
-            opts = dist.AllreduceOptions()
+            opts = _AllreduceOptions()
             if op is not None:
                 opts.reduceOp = op
-        first = tensors[0] if tensors else None
-        meta = _meta(tensors)
-        entry = self._frf_record("all_reduce", meta, meta, opts.reduceOp, -1, -1, False, first)
-        return self._frf_track(entry, self._frf_inner(first).allreduce(tensors, opts), False)
+        if len(tensors) == 1:
+            first = tensors[0]
+            meta: tuple[Any, ...] = ((first.shape, first.dtype),)
+        else:
+            first = tensors[0] if tensors else None
+            meta = _meta(tensors)
+        # The options object stands for its reduce op (read at dump time): reading
+        # ``opts.reduceOp`` builds a new ReduceOp per call (~150 ns).
+        entry = self._frf_record("all_reduce", meta, meta, opts, -1, -1, False, first)
+        inner = self._frf_default if self._frf_single else self._frf_inner(first)
+        work = inner.allreduce(tensors, opts)
+        if entry is not None and work is not None:
+            try:
+                _push(self._frf_state, self._frf_rec.pending, entry, work)
+            except Exception as exc:
+                self._frf_rec.note_error("track", exc)
+        return work
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> Any:
         tensors = _as_list(tensors)
@@ -626,6 +683,13 @@ def _make_inner(backend: str, device: str, opts: Any, backend_options: Any,
     raise RuntimeError(f"frforensics cannot wrap backend {backend!r}")
 
 
+def _cuda_available() -> bool:
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
 def _device_map(backend: str) -> dict[str, str]:
     config = c10d.BackendConfig(backend)
     return {str(d): str(b) for d, b in config.get_device_backend_map().items()}
@@ -656,6 +720,8 @@ def make_creator(recorder: Recorder) -> Callable[..., Any]:
             name=str(opts.group_id), desc=req.group_desc, ranks=ranks,
             backend=req.backend, timeout_ms=int(timeout.total_seconds() * 1000),
         )
+        # A plain "gloo" maps cuda to gloo too: CUDA matters only where it exists.
+        state.cuda = "cuda" in backends and _cuda_available()
         pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, backends,
                                    default_device)
         for device, inner in backends.items():

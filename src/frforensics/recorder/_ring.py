@@ -35,7 +35,7 @@ TIMEOUT_MS: Final = 17
 THREAD: Final = 18  # thread ident
 DEVICE: Final = 19  # "cuda:3" or None (CPU)
 STREAM: Final = 20  # CUDA stream handle or -1
-STACK: Final = 21  # flat tuple (code, lineno, code, lineno, ...), innermost first
+STACK: Final = 21  # flat list [code, lasti, code, lasti, ...], innermost first
 START_EVENT: Final = 22  # torch.cuda.Event or None
 N_SLOTS: Final = 23
 
@@ -75,40 +75,67 @@ class FrameFilter:
 
     Frames of torch and of this recorder say nothing about the user's program;
     they are skipped so the recorded ``depth`` frames are the caller's.
+
+    The verdicts live in two sets of ``id(code)`` (hashing a code object hashes
+    its bytecode and constants: ~1 us per frame, measured). Every classified code
+    object is also kept in ``codes``, so an id can never be reused by another
+    code object while its verdict is remembered.
     """
 
-    __slots__ = ("cache", "prefixes")
+    __slots__ = ("codes", "keep_ids", "limit", "prefixes", "skip_ids")
 
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
+    def __init__(self, prefixes: tuple[str, ...], limit: int = 100_000) -> None:
         self.prefixes = prefixes
-        # Keyed by id(): hashing a code object hashes its bytecode and constants
-        # (measured ~1 us per frame). The code object is kept in the value, so its
-        # id cannot be reused while the entry exists.
-        self.cache: dict[int, tuple[CodeType, bool]] = {}
+        self.keep_ids: set[int] = set()
+        self.skip_ids: set[int] = set()
+        self.codes: list[CodeType] = []
+        self.limit = limit  # generated code (exec, compilers) must not grow this forever
 
     def keep(self, code: CodeType) -> bool:
+        """Classify ``code`` (first sighting) and remember the verdict."""
+        if len(self.codes) >= self.limit:
+            self.keep_ids.clear()
+            self.skip_ids.clear()
+            self.codes.clear()
         keep = not code.co_filename.startswith(self.prefixes)
-        self.cache[id(code)] = (code, keep)
+        self.codes.append(code)
+        (self.keep_ids if keep else self.skip_ids).add(id(code))
         return keep
 
 
-def capture_stack(frame: FrameType | None, depth: int, flt: FrameFilter) -> tuple[Any, ...]:
-    """(code, line) pairs of up to ``depth`` kept frames from ``frame`` outwards."""
+def capture_stack(frame: FrameType | None, depth: int, flt: FrameFilter) -> list[Any]:
+    """``[code, lasti, code, lasti, ...]`` of up to ``depth`` kept frames, innermost first.
+
+    ``lasti`` is the frame's bytecode offset (``f_lasti``): reading it is a field
+    load, where ``f_lineno`` scans the code's line table. :func:`line_of` turns it
+    into a line number at dump time.
+    """
     out: list[Any] = []
-    cache = flt.cache
-    walked = 0
-    while frame is not None and walked < 128:
+    if depth <= 0:
+        return out
+    keep_ids = flt.keep_ids
+    skip_ids = flt.skip_ids
+    limit = 2 * depth
+    while frame is not None:
         code = frame.f_code
-        hit = cache.get(id(code))
-        keep = hit[1] if hit is not None and hit[0] is code else flt.keep(code)
-        if keep:
+        cid = id(code)
+        if cid in keep_ids or (cid not in skip_ids and flt.keep(code)):
             out.append(code)
-            out.append(frame.f_lineno)
-            if len(out) >= 2 * depth:
+            out.append(frame.f_lasti)
+            if len(out) >= limit:
                 break
         frame = frame.f_back
-        walked += 1
-    return tuple(out)
+    return out
+
+
+def line_of(code: CodeType, lasti: int) -> int:
+    """The source line of bytecode offset ``lasti`` in ``code`` (dump time only)."""
+    if lasti < 0:
+        return int(code.co_firstlineno)
+    for start, end, line in code.co_lines():
+        if start <= lasti < end:
+            return int(line) if line is not None else int(code.co_firstlineno)
+    return int(code.co_firstlineno)
 
 
 def default_skip_prefixes() -> tuple[str, ...]:

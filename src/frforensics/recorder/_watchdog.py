@@ -28,6 +28,49 @@ if TYPE_CHECKING:
 _STORE_RETRY_S = 10.0
 
 
+def work_failed(work: Any) -> bool:
+    """True when a finished ``work`` ended with an error.
+
+    ``Work.exception()``/``is_success()`` are deprecated; a work's future raises
+    the op's error from ``value()``. Works without a future (gloo p2p and
+    reduce_scatter) are stamped by ``RecordedWork.wait()`` instead.
+    """
+    try:
+        fut = work.get_future()
+    except Exception:
+        return False
+    try:
+        if not fut.done():
+            return False
+        fut.value()
+    except Exception:
+        return True
+    return False
+
+
+def _settle(item: tuple[list[Any], Any], now: int) -> bool:
+    """Poll one op: start event, completion, failure. True once it is finished."""
+    entry, work = item
+    event = entry[R.START_EVENT]
+    if event is not None and entry[R.STATE] == R.SCHEDULED:
+        with contextlib.suppress(Exception):
+            if event.query():
+                entry[R.T_START] = now
+                entry[R.STATE] = R.STARTED
+                entry[R.START_EVENT] = None
+    try:
+        done = bool(work.is_completed())
+        failed = done and work_failed(work)
+    except Exception:
+        done, failed = True, True
+    if not done:
+        return False
+    if entry[R.STATE] < R.COMPLETED:
+        entry[R.T_COMPLETE] = now
+        entry[R.STATE] = R.FAILED if failed else R.COMPLETED
+    return True
+
+
 class Watchdog(threading.Thread):
     """One per process; a daemon thread that never raises."""
 
@@ -39,6 +82,7 @@ class Watchdog(threading.Thread):
         os.set_blocking(self.rfd, False)
         os.set_blocking(self.wfd, False)
         self.tracked: list[tuple[list[Any], Any]] = []
+        self.poll_lock = threading.RLock()
         self.fired = False
         self.answered = False
         self.store_failures = 0
@@ -128,49 +172,79 @@ class Watchdog(threading.Thread):
                 self.rec.dump(DumpReason.SIGNAL, f"received {name}")
 
     def poll_works(self) -> None:
-        """Stamp completions and start events; fire on the oldest overdue op."""
+        """Stamp completions and start events; fire on the oldest overdue op.
+
+        Looks at each group's newest op and at the ops that were still running
+        when their group's next op was issued (``rec.pending``): the hot path
+        stamps and drops the rest, so one poll costs O(groups + running ops),
+        not O(ops issued since the last poll).
+        """
+        with self.poll_lock:
+            overdue = self._poll_locked()
+        if overdue is not None and not self.fired:
+            self.fired = True
+            self.on_overdue(overdue, time.monotonic_ns())
+
+    def _poll_locked(self) -> list[Any] | None:
         rec = self.rec
         pending = rec.pending
         tracked = self.tracked
         while pending:
             tracked.append(pending.popleft())
-        if not tracked:
-            return
         now = time.monotonic_ns()
         deadline_ns = int(rec.config.timeout_s * 1e9)
-        still: list[tuple[list[Any], Any]] = []
-        overdue: list[Any] | None = None
-        for item in tracked:
-            entry, work = item
-            state = entry[R.STATE]
-            if state >= R.COMPLETED:
+        oldest: list[Any] | None = None
+        if tracked:
+            still: list[tuple[list[Any], Any]] = []
+            for item in tracked:
+                if item[0][R.STATE] >= R.COMPLETED or _settle(item, now):
+                    continue
+                still.append(item)
+                if oldest is None or item[0][R.T_ENQUEUE] < oldest[R.T_ENQUEUE]:
+                    oldest = item[0]
+            self.tracked = still
+        for st in list(rec.groups):
+            last = st.last
+            if last is None or last[0][R.STATE] >= R.COMPLETED or _settle(last, now):
                 continue
-            event = entry[R.START_EVENT]
-            if event is not None and state == R.SCHEDULED:
-                with contextlib.suppress(Exception):
-                    if event.query():
-                        entry[R.T_START] = now
-                        entry[R.STATE] = R.STARTED
-                        entry[R.START_EVENT] = None
-            # (Work.exception()/is_success() are deprecated and warn: failures are
-            # stamped by RecordedWork.wait() where the backend raises.)
-            try:
-                done = bool(work.is_completed())
-                failed = False
-            except Exception:
-                done, failed = True, True
-            if done:
-                if entry[R.STATE] < R.COMPLETED:
-                    entry[R.T_COMPLETE] = now
-                    entry[R.STATE] = R.FAILED if failed else R.COMPLETED
-                continue
-            still.append(item)
-            if overdue is None and now - entry[R.T_ENQUEUE] > deadline_ns:
-                overdue = entry
-        self.tracked = still
-        if overdue is not None and not self.fired:
-            self.fired = True
-            self.on_overdue(overdue, now)
+            if oldest is None or last[0][R.T_ENQUEUE] < oldest[R.T_ENQUEUE]:
+                oldest = last[0]
+        if oldest is not None and now - oldest[R.T_ENQUEUE] > deadline_ns:
+            return oldest
+        return None
+
+    def settle_for_dump(self) -> None:
+        """Before a dump: poll everything, and mark each group's newest op failed if it was.
+
+        An op that failed fast (a lost peer) may have been stamped ``completed``
+        before anyone looked at its result; a failed op leaves its group unusable,
+        so it is the group's newest op when the dump is written.
+        """
+        with self.poll_lock:
+            self._poll_locked()
+            now = time.monotonic_ns()
+            for st in list(self.rec.groups):
+                last = st.last
+                if last is not None and last[0][R.STATE] == R.COMPLETED and work_failed(last[1]):
+                    last[0][R.STATE] = R.FAILED
+                    if not last[0][R.T_COMPLETE]:
+                        last[0][R.T_COMPLETE] = now
+
+    def unfinished(self) -> bool:
+        """True while any recorded op is still running."""
+        with self.poll_lock:
+            self._poll_locked()
+            return bool(self.tracked) or any(
+                st.last is not None and st.last[0][R.STATE] < R.COMPLETED
+                for st in list(self.rec.groups))
+
+    def drop_works(self) -> None:
+        """Forget every backend Work (they must not outlive interpreter shutdown)."""
+        with self.poll_lock:
+            self.tracked = []
+            self.rec.pending.clear()
+            for st in list(self.rec.groups):
+                st.last = None
 
     def on_overdue(self, entry: list[Any], now: int) -> None:
         rec = self.rec
