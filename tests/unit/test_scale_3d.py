@@ -78,6 +78,16 @@ def check(report: Report, dumps: JobDumps) -> None:
         cycle = {(c["pg"], tuple(c["pg_ranks"]), c["seq"]) for c in top.evidence["cycle"]}
         assert want.group is not None
         assert (want.group.name, want.group.ranks, want.seq) in cycle
+    elif top.kind.value == "missing_rank" and top.pg is not None:
+        # the builder names the collective its peers entered first; with many groups
+        # waiting on the culprit (TP, DP, PP at 1024 ranks) the report may lead with
+        # another one: it must be a collective the culprit never entered, by construction
+        lay = dumps.layout
+        awaiting = {(lay.groups[gid].name, lay.groups[gid].ranks, seq)
+                    for (gid, seq), members in dumps.sim.pending_collectives.items()
+                    if want.culprit_ranks[0] in lay.groups[gid].ranks
+                    and want.culprit_ranks[0] not in {m for m, _, _ in members}}
+        assert (top.pg.name, top.pg.ranks, top.seq) in awaiting
     elif want.group is not None:
         assert top.pg is not None
         assert (top.pg.name, top.pg.ranks, top.seq) == (want.group.name, want.group.ranks, want.seq)
