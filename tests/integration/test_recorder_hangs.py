@@ -7,6 +7,8 @@ backend giving up. ``run_job`` kills every process when the test ends.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from frforensics.model import DumpReason, OpState
@@ -215,3 +217,63 @@ def test_uncaught_exception_writes_a_dump_with_death_info(run_job, fr_analyze):
     assert t0.death is not None and t0.death.kind == "exception"
     assert "loss is NaN" in t0.death.message
     assert t0.death.frames[0].name == "forward"
+
+
+@pytest.mark.timeout(90)
+def test_an_op_that_times_out_in_gloo_is_recorded_failed(run_job):
+    body = """
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(50)       # never enters the second all_reduce
+    dist.all_reduce(t)       # rank 0: gloo gives up after 2 s and raises
+    """
+    # The watchdog deadline is far away: the only dump is the exception's.
+    job = run_job(body, world_size=2, deadline_s=30.0, gloo_timeout_s=2.0)
+    seen = job.wait_for_dumps([0], STARTUP_ALLOWANCE_S)
+    assert sorted(seen) == [0], job.logs()
+    t0 = job.decode(0)
+    assert t0.dump_reason is DumpReason.EXCEPTION, t0.dump_reason
+    assert t0.death is not None and "Timed out" in t0.death.message
+    rows = _entries(t0, "all_reduce")
+    assert [st for _, _, st, _ in rows] == [OpState.COMPLETED, OpState.FAILED], rows
+    assert t0.entries.t_complete_ns[-1] > t0.entries.t_enqueue_ns[-1]
+    # The main thread's stack is the exception's traceback, not the recorder's hook.
+    main = t0.main_thread()
+    assert main is not None and main.frames == t0.death.frames
+    assert not any("frforensics/recorder" in f.file for f in main.frames), main.frames[:4]
+    assert main.frames[-1].name == "<module>"
+
+
+@pytest.mark.timeout(90)
+def test_a_later_peer_signal_dump_keeps_the_death_of_the_main_thread(run_job):
+    body = """
+    t = torch.ones(8)
+    dist.all_reduce(t)
+
+    def forward():
+        raise ValueError("loss is NaN")
+
+    if rank == 0:
+        # A non-daemon thread keeps the process alive after the main thread dies,
+        # so its watchdog still answers the dump flag rank 1 raises 2 s later.
+        threading.Thread(target=time.sleep, args=(8,), daemon=False).start()
+        forward()
+    dist.all_reduce(t)       # rank 1 waits here: its watchdog raises the flag
+    time.sleep(50)
+    """
+    job = run_job(body, world_size=2, deadline_s=DEADLINE_S)
+    seen = job.wait_for_dumps([0, 1], STARTUP_ALLOWANCE_S)
+    assert sorted(seen) == [0, 1], job.logs()
+    # Wait until rank 0 has answered the flag (its log says so), then read its dump.
+    log0 = job.log_dir / "rank0.log"
+    deadline = time.monotonic() + 20
+    while "dumped (peer_signal)" not in log0.read_text(errors="replace"):
+        assert time.monotonic() < deadline, job.logs()
+        time.sleep(0.1)
+    t0 = job.decode(0)
+    assert t0.dump_reason is DumpReason.PEER_SIGNAL
+    assert t0.death is not None and t0.death.kind == "exception"
+    assert "loss is NaN" in t0.death.message
+    main = t0.main_thread()
+    assert main is not None and main.frames[0].name == "forward", main.frames[:3]

@@ -192,6 +192,12 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
             from frforensics.recorder._core import frames_of_traceback
 
             message = f"{exc_type.__name__}: {exc}"
+            death = DeathInfo(kind="exception", message=message[:2000],
+                              frames=frames_of_traceback(tb))
+            # Known from now on: a peer-signal or watchdog dump written meanwhile
+            # (during the wait below, or while the process lingers) carries it.
+            if rec.death is None or rec.death.kind != "exception":
+                rec.death = death
             if _is_peer_loss(message) and rec.store is not None:
                 # A peer died and took the connection with it: give its heartbeat
                 # time to go stale so this dump names who went silent first.
@@ -200,8 +206,6 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 limit = rec.config.heartbeat_stale_s or max(
                     3.0 * rec.config.store_poll_interval_s, 2.0)
                 time.sleep(min(limit + rec.config.store_poll_interval_s, 10.0))
-            death = DeathInfo(kind="exception", message=message[:2000],
-                              frames=frames_of_traceback(tb))
             rec.dump(DumpReason.EXCEPTION, message[:500], death=death, automatic=True)
     except Exception:
         pass

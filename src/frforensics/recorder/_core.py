@@ -68,7 +68,14 @@ class Recorder:
         self.world_size: int | None = None
         self.dump_lock = threading.RLock()
         self.dumped_reasons: list[DumpReason] = []
-        self.automatic_dump_written = False
+        # A watchdog/peer-signal dump written while the process was alive: the
+        # hang's evidence, which a later exception (the backend's own timeout)
+        # or exit dump must not replace.
+        self.hang_dump_written = False
+        # How this process died (uncaught exception in the main thread, exit with
+        # ops unfinished), once known: every later dump carries it, so a peer's
+        # dump flag or the watchdog cannot erase the death (docs/recorder.md).
+        self.death: DeathInfo | None = None
         self.errors_logged: set[str] = set()
         self.main_ident = threading.main_thread().ident
         self.flag_seen: str | None = None
@@ -170,11 +177,16 @@ class Recorder:
         """Write this rank's dump now. Never raises; returns the path or None."""
         try:
             with self.dump_lock:
-                if automatic and self.automatic_dump_written and reason in (
-                        DumpReason.EXCEPTION, DumpReason.EXIT):
-                    # Keep the hang dump: a later exception (the backend's own timeout)
-                    # would overwrite the evidence with a less useful picture.
-                    return None
+                if automatic and reason in (DumpReason.EXCEPTION, DumpReason.EXIT):
+                    if self.hang_dump_written:
+                        # Keep the hang dump: a later exception (the backend's own
+                        # timeout) would replace the evidence with a less useful one.
+                        return None
+                    if reason is DumpReason.EXIT and self.death is not None and (
+                            self.death.kind == "exception"):
+                        return None  # the exception dump already tells how it died
+                if death is not None and (self.death is None or death.kind == "exception"):
+                    self.death = death
                 from frforensics.formats import frdump
                 from frforensics.recorder._dump import build_trace
 
@@ -183,12 +195,12 @@ class Recorder:
                         self.watchdog.settle_for_dump()
                     except Exception as exc:
                         self.note_error("settle", exc)
-
-                trace = build_trace(self, reason, detail, death)
+                trace = build_trace(self, reason, detail, death or self.death)
                 path = frdump.write_atomic(self.dump_path(), frdump.encode(trace))
                 self.dumped_reasons.append(reason)
-                if reason is not DumpReason.API:
-                    self.automatic_dump_written = True
+                if self.death is None and reason in (DumpReason.WATCHDOG_TIMEOUT,
+                                                     DumpReason.PEER_SIGNAL):
+                    self.hang_dump_written = True
                 with contextlib.suppress(Exception):
                     log.warning("frforensics: rank %s dumped (%s) to %s", trace.rank,
                                 reason.value, path)

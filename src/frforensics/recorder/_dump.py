@@ -161,18 +161,19 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     table = EntryTable.from_columns(n, {k: np.asarray(v) for k, v in cols.items()})
 
     threads = []
-    me = threading.get_ident()
     own = os.path.dirname(os.path.abspath(__file__)) + os.sep
     for ident, frame in sys._current_frames().items():
         frames = frames_of(frame)
-        if ident == me:
-            # The dumping thread: drop the recorder's own frames (excepthook, dump).
-            k = 0
-            while k < len(frames) and frames[k].file.startswith(own):
-                k += 1
-            frames = frames[k:]
-        if ident == rec.main_ident and death is not None and death.frames and ident == me:
-            frames = death.frames  # the stack has unwound: where it died is where it is
+        # Drop the recorder's own frames on top (the dumping thread's dump call,
+        # a main thread inside our excepthook or exit hook).
+        k = 0
+        while k < len(frames) and frames[k].file.startswith(own):
+            k += 1
+        frames = frames[k:]
+        if ident == rec.main_ident and death is not None and death.frames:
+            # The main thread died of this exception: its stack has unwound (it is
+            # in our excepthook, or tearing down), and where it died is where it is.
+            frames = death.frames
         threads.append(ThreadStack(
             name=thread_names.get(ident) or f"thread-{ident}",
             ident=int(ident),
