@@ -1,7 +1,7 @@
 """Every case of issue #4 on 3-D (TP × PP × DP) jobs from 8 to 1024 ranks.
 
 CI runs the 8- and 64-rank sizes; the 256- and 1024-rank sizes are marked
-``slow`` (``pytest -m slow tests/unit/test_scale_3d.py``). Verdicts come from the
+``scale`` (``pytest -m scale tests/unit/test_scale_3d.py``). Verdicts come from the
 builder (``JobDumps.expected``), stated by construction.
 """
 
@@ -101,7 +101,7 @@ def test_each_case_names_exactly_the_root_ranks(size: int, case: str, fmt: str) 
     check(report, dumps)
 
 
-@pytest.mark.slow
+@pytest.mark.scale
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("size", [256, 1024])
