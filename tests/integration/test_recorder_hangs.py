@@ -169,8 +169,12 @@ def test_recv_without_a_send_is_recorded_with_its_peer_and_peer_seq(run_job, fr_
     assert 2 in report["culprit_ranks"] or 1 in report["culprit_ranks"], report
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 def test_rank_that_exits_early_is_reported_stale_by_the_others(run_job, fr_analyze):
+    # Under load this once failed: the peers die of gloo's "connection closed by
+    # peer", wait for rank 1's heartbeat to go stale, and dump; rank 0 (the store's
+    # host) may exit before the others read the heartbeats. They now keep the last
+    # reading taken while they waited. Startup gets more room (4 torch imports).
     body = """
     t = torch.ones(8)
     dist.all_reduce(t)
@@ -181,7 +185,7 @@ def test_rank_that_exits_early_is_reported_stale_by_the_others(run_job, fr_analy
     time.sleep(50)
     """
     job = run_job(body, deadline_s=DEADLINE_S, env={})
-    seen = job.wait_for_dumps([0, 2, 3], STARTUP_ALLOWANCE_S)
+    seen = job.wait_for_dumps([0, 2, 3], STARTUP_ALLOWANCE_S + 20)
     assert sorted(seen) == [0, 2, 3], job.logs()
     assert not job.dump_path(1).exists()
     for r in (0, 2, 3):

@@ -141,3 +141,27 @@ def test_single_rank_api_dump_holds_shapes_dtypes_reduce_op_and_seq(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["5", "[1,", "2,", "3,", "4,", "5]", "MAX", "[[3,", "2]]",
                                    "Half", "6", "api", "checkpoint", "1", "<module>"]
+
+
+def test_stale_peers_fall_back_to_the_last_reading_when_the_store_host_is_gone(tmp_path):
+    import time
+
+    from frforensics.recorder._core import Recorder, RecorderConfig
+
+    class Store:
+        alive = True
+
+        def check(self, keys):
+            if not self.alive:
+                raise RuntimeError("Connection reset by peer")
+            return True
+
+        def multi_get(self, keys):
+            return [str(time.time_ns() - 5_000_000_000).encode()]  # 5 s old
+
+    rec = Recorder(RecorderConfig(dump_dir=tmp_path, heartbeat_stale_s=2.0))
+    rec.store, rec.rank, rec.world_size = Store(), 0, 2
+    first = rec.stale_peers()
+    assert [p.rank for p in first] == [1] and first[0].age_s >= 5.0
+    rec.store.alive = False
+    assert rec.stale_peers() == first

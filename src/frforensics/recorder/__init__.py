@@ -205,7 +205,14 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
 
                 limit = rec.config.heartbeat_stale_s or max(
                     3.0 * rec.config.store_poll_interval_s, 2.0)
-                time.sleep(min(limit + rec.config.store_poll_interval_s, 10.0))
+                step = max(0.05, rec.config.store_poll_interval_s)
+                until = time.monotonic() + min(limit + step, 10.0)
+                while time.monotonic() < until:
+                    time.sleep(min(step, max(0.0, until - time.monotonic())))
+                    # Read the heartbeats as we go: the store's host may die of the
+                    # same lost peer and exit before this dump (then the last
+                    # reading stands in).
+                    rec.stale_peers()
             rec.dump(DumpReason.EXCEPTION, message[:500], death=death, automatic=True)
     except Exception:
         pass

@@ -76,6 +76,7 @@ class Recorder:
         # ops unfinished), once known: every later dump carries it, so a peer's
         # dump flag or the watchdog cannot erase the death (docs/recorder.md).
         self.death: DeathInfo | None = None
+        self.last_stale: tuple[PeerHeartbeat, ...] = ()  # the last successful reading
         self.errors_logged: set[str] = set()
         self.main_ident = threading.main_thread().ident
         self.flag_seen: str | None = None
@@ -263,10 +264,24 @@ class Recorder:
             self.store.set(f"hb/{self.rank}", str(time.time_ns()))
 
     def stale_peers(self) -> tuple[PeerHeartbeat, ...]:
-        """Peers whose heartbeat is older than the staleness limit (best effort)."""
+        """Peers whose heartbeat is older than the staleness limit (best effort).
+
+        When the store cannot be read (its host, often rank 0, exited first), the
+        last successful reading is returned: a peer that was stale then is still
+        silent now (its ages are those of that reading).
+        """
+        fresh = self._read_stale_peers()
+        if fresh is None:
+            return self.last_stale
+        self.last_stale = fresh
+        return fresh
+
+    def _read_stale_peers(self) -> tuple[PeerHeartbeat, ...] | None:
         store, world, me = self.store, self.world_size, self.rank
-        if store is None or self.store_dead or world is None or me is None:
+        if world is None or me is None:
             return ()
+        if store is None or self.store_dead:
+            return None
         if world > self.config.stale_check_max_world:
             return ()
         limit = self.config.heartbeat_stale_s
@@ -283,7 +298,7 @@ class Recorder:
                 present = [(k, store.get(k)) for k in keys if store.check([k])]
         except Exception as exc:
             self.note_error("heartbeat read", exc)
-            return ()
+            return None
         now = time.time_ns()
         stale = []
         for key, raw in present:
