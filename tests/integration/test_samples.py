@@ -28,8 +28,6 @@ STRAGGLER_NATIVE = ("the native dumps carry the evidence (rank 3 enqueues each a
 VERDICT_GAPS = {("straggler", "native"): STRAGGLER_NATIVE}
 LOCATION_GAPS = {
     ("straggler", "native"): STRAGGLER_NATIVE,
-    ("dead_rank", "frdump"): "the dead_rank finding does not name the collective its peers "
-    "waited in (all_reduce #3); the recorder also records their failed all_reduce as completed",
 }
 
 
