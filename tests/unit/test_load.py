@@ -93,3 +93,15 @@ def test_parallel_decode_gives_the_same_result(tmp_path: Path) -> None:
 def test_missing_path_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(UsageError):
         load_dumps([tmp_path / "nope"])
+
+
+def test_pytorch_dump_beside_ours_is_no_duplicate(tmp_path: Path) -> None:
+    from frforensics.analyzer.convert import convert_dumps
+
+    root = _copy(tmp_path / "d")
+    convert_dumps([DATA], root, jobs=1)  # frdump_rank_<r> next to nccl_trace_rank_<r>
+    dumps = load_dumps([root], jobs=1)
+    assert dumps.ranks == [0, 1, 2, 3]
+    assert dumps.problems == []
+    assert all(d.format == "frdump" for d in dumps.digests.values())
+    assert len(dumps.companions) == 4

@@ -71,6 +71,9 @@ def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
             f"rank(s) {ctx.ranks(graph.young)} had ops in flight younger than "
             f"{options.hang_after_s:g} s at dump time: not counted as hangs"
         )
+    if dumps.companions:
+        notes.append(f"used frforensics' dump where PyTorch's own dump of the same rank lay "
+                     f"beside it ({len(dumps.companions)} file(s))")
     if dumps.skipped:
         notes.append(f"skipped {len(dumps.skipped)} file(s) that are not dumps")
     return Report(

@@ -58,6 +58,7 @@ class DumpSet:
     digests: dict[int, RankDigest] = field(default_factory=dict)
     problems: list[LoadProblem] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    companions: list[str] = field(default_factory=list)  # native dumps beside our frdump
 
     @property
     def ranks(self) -> list[int]:
@@ -298,6 +299,13 @@ def _add(result: DumpSet, new: RankDigest) -> None:
     old = result.digests.get(new.rank)
     if old is None:
         result.digests[new.rank] = new
+        return
+    if (old.format == "frdump") != (new.format == "frdump"):
+        # The recorder saves PyTorch's own dump beside ours: ours says more (states,
+        # times, peers, stacks at dump time), so it wins and the pair is no problem.
+        keep, drop = (old, new) if old.format == "frdump" else (new, old)
+        result.digests[new.rank] = keep
+        result.companions.append(drop.source)
         return
     keep, drop = (new, old) if new.newest_time_ns > old.newest_time_ns else (old, new)
     result.digests[new.rank] = keep
