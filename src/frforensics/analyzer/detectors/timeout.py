@@ -50,13 +50,25 @@ def detect(ctx: Context) -> list[Finding]:
             if member not in states and member in ctx.job.digests \
                     and ctx.job.entered(member, gid, seq, issued_ns=0) == "completed":
                 states[member] = OpState.COMPLETED
-        lowest = min(states.values())
-        culprits = sorted(r for r, s in states.items() if s == lowest)
-        distinguishable = len(set(states.values())) > 1
-        waiting = sorted(set(states) - set(culprits))
         wait = waits[0]
         ages = [w.age_s for w in waits if w.age_s is not None]
         timeout_ms = max((w.detail.timeout_ms for w in waits if w.detail is not None), default=0)
+        arrivals = _arrivals(ctx, gid, seq)
+        late: list[int] = []
+        if timeout_ms and len(arrivals) > 1:
+            first = min(arrivals.values())
+            late = sorted(r for r, t in arrivals.items() if t - first > timeout_ms * 1_000_000)
+        lowest = min(states.values())
+        if late and len(late) < len(arrivals):
+            # Members that arrived after the others had already given up.
+            culprits = late
+            distinguishable = True
+            for r in late:
+                states.setdefault(r, OpState.SCHEDULED)
+        else:
+            culprits = sorted(r for r, s in states.items() if s == lowest)
+            distinguishable = len(set(states.values())) > 1
+        waiting = sorted(set(states) - set(culprits))
         if ages and timeout_ms:
             past = max(ages) * 1000 >= timeout_ms
             clock = (f"unfinished for {max(ages):.1f} s, "
@@ -65,7 +77,12 @@ def detect(ctx: Context) -> list[Finding]:
             clock = f"unfinished for {max(ages):.1f} s"
         else:
             clock = "dump time unknown, so whether it ran past its timeout could not be judged"
-        if distinguishable:
+        if late and culprits == late:
+            spread = (max(arrivals[r] for r in late) - min(arrivals.values())) / 1e9
+            msg = (f"rank(s) {ctx.ranks(late)} entered {ctx.describe(wait)} {spread:.1f} s after "
+                   f"the first member, past its timeout of {timeout_ms / 1000:g} s: ranks "
+                   f"{ctx.ranks(waiting)} had waited and failed by then ({clock})")
+        elif distinguishable:
             msg = (f"every member entered {ctx.describe(wait)} but it never completed ({clock}); "
                    f"rank(s) {ctx.ranks(culprits)} are the least advanced "
                    f"({lowest.name.lower()} while the others are further)")
@@ -89,6 +106,20 @@ def detect(ctx: Context) -> list[Finding]:
         ))
     findings.extend(_late_entries(ctx, {(f.pg.name, f.seq) for f in findings if f.pg}))
     return findings[: ctx.options.max_findings_per_kind]
+
+
+def _arrivals(ctx: Context, gid: int, seq: int) -> dict[int, int]:
+    """When each member that has collective ``seq`` of ``gid`` in its ring enqueued it."""
+    out: dict[int, int] = {}
+    for rank in ctx.job.groups[gid].ranks:
+        view = ctx.job.view(rank, gid)
+        if view is None or len(view.coll_rows) == 0:
+            continue
+        d = ctx.job.digests[rank]
+        rows = view.coll_rows[d.seq[view.coll_rows] == seq]
+        if len(rows) and int(d.t_enqueue_ns[rows[0]]):
+            out[rank] = int(d.t_enqueue_ns[rows[0]])
+    return out
 
 
 def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
