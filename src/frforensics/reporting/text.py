@@ -42,7 +42,12 @@ def _culprit_line(report: Report) -> str:
 
 
 def _headline(finding: Finding) -> str:
-    return finding.message[0].upper() + finding.message[1:]
+    """The finding's first clause: the verdict line stays one readable sentence."""
+    text = finding.message
+    cuts = [i for i in (text.find("; "), text.find(". ")) if i > 0]
+    if cuts:
+        text = text[: min(cuts)]
+    return text[0].upper() + text[1:]
 
 
 def render(report: Report, *, width: int = 100, color: bool = False) -> str:
