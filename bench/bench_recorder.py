@@ -3,6 +3,11 @@
     python bench/bench_recorder.py [--ops 20000] [--repeats 5]
     python bench/bench_recorder.py --inprocess [--stack-depth 8]
 
+``--inprocess`` interleaves, in one process, plain gloo and the recorded gloo
+group with the recorder's pure-Python stack walk and with the C walk
+(``_fastframes``, when built), and the same over a no-op backend; it reports the
+main thread's CPU per op and what each adds over its base (docs/recorder.md).
+
 Each configuration runs in its own process (PyTorch reads TORCH_FR_BUFFER_SIZE at
 group creation; the recorder is process-wide), interleaved ``--repeats`` times,
 and the median per-op time is reported:
@@ -169,13 +174,49 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
     rec = recorder._recorder()
     dog_clock = time.pthread_getcpuclockid(rec.watchdog.ident)
     t = torch.ones(16)
-    cases = {"plain gloo": lambda: dist.all_reduce(t, group=plain),
-             "gloo + frforensics": lambda: dist.all_reduce(t)}
+
+    # The recording wrapper over a no-op backend: our own cost, no gloo.
+    class _Done:
+        def is_completed(self) -> bool:
+            return True
+
+    class _Noop:
+        def allreduce(self, tensors: Any, opts: Any) -> Any:
+            return done
+
+        def name(self) -> str:
+            return "noop"
+
+    done, noop = _Done(), _Noop()
+    noop_state = rec.new_group(name="noop", desc="noop", ranks=(0,), backend="noop",
+                               timeout_ms=600_000)
+    noop_pg = _pg.RecordingProcessGroup(rec, noop_state, 0, 1, {"cpu": noop}, "cpu")
+    opts = dist.AllreduceOptions()
+    fast = _pg._walk  # the C walk, or None when not built / FRFORENSICS_PURE_PYTHON=1
+
+    def gloo_recorded() -> None:
+        dist.all_reduce(t)
+
+    def noop_recorded() -> None:
+        noop_pg.allreduce([t], opts)
+
+    # name -> (the walk the recorder uses during the batch, the op)
+    cases: dict[str, tuple[Any, Any]] = {
+        "plain gloo": (fast, lambda: dist.all_reduce(t, group=plain)),
+        "gloo + frf (py walk)": (None, gloo_recorded),
+    }
+    if fast is not None:
+        cases["gloo + frf (C walk)"] = (fast, gloo_recorded)
+    cases["noop"] = (fast, lambda: noop.allreduce([t], opts))
+    cases["noop + frf (py walk)"] = (None, noop_recorded)
+    if fast is not None:
+        cases["noop + frf (C walk)"] = (fast, noop_recorded)
     cpu: dict[str, list[float]] = {k: [] for k in cases}
     wall: dict[str, list[float]] = {k: [] for k in cases}
     dog: dict[str, list[float]] = {k: [] for k in cases}
     for _ in range(repeats):
-        for name, call in cases.items():
+        for name, (walk, call) in cases.items():
+            _pg._walk = walk  # switched once per batch, not per op
             for _ in range(100):
                 call()
             d0 = time.clock_gettime_ns(dog_clock)
@@ -185,11 +226,18 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
             wall[name].append((time.perf_counter_ns() - w0) / ops / 1e3)
             cpu[name].append((time.thread_time_ns() - c0) / ops / 1e3)
             dog[name].append((time.clock_gettime_ns(dog_clock) - d0) / ops / 1e3)
-    print(f"stack_depth={stack_depth}; medians of {repeats} interleaved repeats of {ops} ops")
-    print(f"{'configuration':<20} {'wall/op':>9} {'cpu/op':>9} {'watchdog cpu/op':>16} (us)")
+            rec.pending.clear()
+    _pg._walk = fast
+    print(f"stack_depth={stack_depth}; medians of {repeats} interleaved repeats of {ops} ops; "
+          f"C walk {'built' if fast is not None else 'not used'}")
+    print(f"{'configuration':<22} {'wall/op':>9} {'cpu/op':>9} {'added cpu':>10} "
+          f"{'watchdog cpu/op':>16} (us)")
     for name in cases:
-        print(f"{name:<20} {statistics.median(wall[name]):>9.2f} "
-              f"{statistics.median(cpu[name]):>9.2f} {statistics.median(dog[name]):>16.2f}")
+        base = "noop" if name.startswith("noop") else "plain gloo"
+        added = statistics.median(cpu[name]) - statistics.median(cpu[base])
+        print(f"{name:<22} {statistics.median(wall[name]):>9.2f} "
+              f"{statistics.median(cpu[name]):>9.2f} {added:>+10.2f} "
+              f"{statistics.median(dog[name]):>16.2f}")
     rec.watchdog.drop_works()
     dist.destroy_process_group()
 

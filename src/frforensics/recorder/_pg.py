@@ -57,6 +57,9 @@ _mono = time.monotonic_ns
 _get_ident = threading.get_ident
 _getframe = sys._getframe
 _capture = R.capture_stack
+# The C walk when built (no frame objects made; docs/recorder.md, "Overhead"),
+# else None and the pure-Python walk. Module-level so tests and the bench can switch.
+_walk = R.fast_walk
 _Tensor = torch.Tensor
 _AllreduceOptions = dist.AllreduceOptions
 
@@ -287,7 +290,8 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 rid, st.index, seq, p2p_seq, peer_seq, op, is_p2p, peer, root, block,
                 inputs, outputs, reduce_op, 0, _mono(), 0, 0, st.timeout_ms,
                 _get_ident(), device, stream,
-                _capture(_getframe(2), rec.stack_depth, rec.frame_filter), event,
+                _walk(2, rec.stack_depth, rec.frame_filter) if _walk is not None
+                else _capture(_getframe(2), rec.stack_depth, rec.frame_filter), event,
             ]
             ring = rec.ring
             ring.slots[rid % ring.capacity] = entry
@@ -564,7 +568,8 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             entry = [
                 rid, st.index, st.seq, st.p2p_seq, -1, "coalesced", is_p2p, -1, -1, block,
                 (), (), None, R.SCHEDULED, _mono(), 0, 0, st.timeout_ms, _get_ident(),
-                None, -1, R.capture_stack(_getframe(2), rec.stack_depth, rec.frame_filter),
+                None, -1, _walk(2, rec.stack_depth, rec.frame_filter) if _walk is not None
+                else _capture(_getframe(2), rec.stack_depth, rec.frame_filter),
                 None,
             ]
             ring = rec.ring

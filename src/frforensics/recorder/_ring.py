@@ -9,7 +9,10 @@ conversion) is deferred to dump time: the hot path stores references only
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any, Final
 
@@ -70,6 +73,9 @@ class Ring:
         return entries, max(0, count - cap)
 
 
+_filter_serials = itertools.count(1)
+
+
 class FrameFilter:
     """Decides once per code object whether its frames belong in recorded stacks.
 
@@ -82,7 +88,7 @@ class FrameFilter:
     code object while its verdict is remembered.
     """
 
-    __slots__ = ("codes", "keep_ids", "limit", "prefixes", "skip_ids")
+    __slots__ = ("codes", "keep_ids", "limit", "prefixes", "serial", "skip_ids")
 
     def __init__(self, prefixes: tuple[str, ...], limit: int = 100_000) -> None:
         self.prefixes = prefixes
@@ -90,6 +96,9 @@ class FrameFilter:
         self.skip_ids: set[int] = set()
         self.codes: list[CodeType] = []
         self.limit = limit  # generated code (exec, compilers) must not grow this forever
+        # Tags the verdicts the C walk caches on code objects: a new filter, or one
+        # that forgot its verdicts, never matches an older tag.
+        self.serial = next(_filter_serials)
 
     def keep(self, code: CodeType) -> bool:
         """Classify ``code`` (first sighting) and remember the verdict."""
@@ -97,6 +106,7 @@ class FrameFilter:
             self.keep_ids.clear()
             self.skip_ids.clear()
             self.codes.clear()
+            self.serial = next(_filter_serials)
         keep = not code.co_filename.startswith(self.prefixes)
         self.codes.append(code)
         (self.keep_ids if keep else self.skip_ids).add(id(code))
@@ -126,6 +136,40 @@ def capture_stack(frame: FrameType | None, depth: int, flt: FrameFilter) -> list
                 break
         frame = frame.f_back
     return out
+
+
+def capture_caller(skip: int, depth: int, flt: FrameFilter) -> list[Any]:
+    """:func:`capture_stack` from the caller's ``skip``-th ancestor (pure Python).
+
+    The same list as ``capture_stack(sys._getframe(skip), depth, flt)`` written
+    where this is called; ``[]`` when the stack is not that deep. The signature of
+    the C walk :data:`fast_walk`, which it stands in for.
+    """
+    try:
+        frame = sys._getframe(skip + 1)
+    except ValueError:
+        return []
+    return capture_stack(frame, depth, flt)
+
+
+def _load_fast_walk() -> Callable[[int, int, FrameFilter], list[Any]] | None:
+    if os.environ.get("FRFORENSICS_PURE_PYTHON", "") not in ("", "0"):
+        return None
+    import importlib
+
+    try:
+        module = importlib.import_module("frforensics.recorder._fastframes")
+    except ImportError:  # not built (no compiler, not CPython 3.11): pure Python
+        return None
+    walk: Callable[[int, int, FrameFilter], list[Any]] = module.walk
+    return walk
+
+
+#: The C walk over CPython 3.11's interpreter frames (``_fastframes.c``): same
+#: arguments and result as :func:`capture_caller`, without creating a frame object
+#: per frame. ``None`` where the extension is not built or
+#: ``FRFORENSICS_PURE_PYTHON=1`` is set; the recorder then uses :func:`capture_stack`.
+fast_walk: Final = _load_fast_walk()
 
 
 def line_of(code: CodeType, lasti: int) -> int:
