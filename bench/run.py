@@ -41,9 +41,11 @@ TORCHFRTRACE = os.environ.get("TORCHFRTRACE", str(VENV_BIN / "torchfrtrace"))
 FR_ANALYZE = [sys.executable, "-m", "frforensics"]
 
 
-def _median(runs: list[Run]) -> tuple[float, float]:
+def _median(runs: list[Run]) -> tuple[float, float, float]:
+    """Median wall seconds, peak GiB, CPU seconds."""
     return (statistics.median(r.wall_s for r in runs),
-            statistics.median(r.peak_rss_bytes for r in runs) / 2**30)
+            statistics.median(r.peak_rss_bytes for r in runs) / 2**30,
+            statistics.median(r.cpu_s for r in runs))
 
 
 def _culprits(path: Path) -> str:
@@ -75,8 +77,9 @@ def _bench_set(name: str, ranks: int, native: Path | None, frdump: Path | None, 
             runs[tool].append(run)
             if tool.startswith("fr-analyze"):
                 verdicts[tool] = _culprits(out)
-            print(f"  {name} [{i + 1}/{repeat}] {tool:24s} {run.wall_s:8.2f} s "
-                  f"{run.peak_rss_bytes / 2**30:6.2f} GiB rc={run.returncode}", flush=True)
+            print(f"  {name} [{i + 1}/{repeat}] {tool:24s} {run.wall_s:8.2f} s wall "
+                  f"{run.cpu_s:8.2f} s cpu {run.peak_rss_bytes / 2**30:6.2f} GiB rc={run.returncode}",
+                  flush=True)
     results[name] = {
         "ranks": ranks,
         "runs": {t: [r.__dict__ for r in rs] for t, rs in runs.items()},
@@ -113,32 +116,39 @@ def _profile(native: Path, jobs: int) -> str:
 
 
 def _table(results: dict[str, dict[str, Any]], torch_fit: tuple[float, float] | None) -> str:
-    head = ("| set | ranks | torchfrtrace s / GiB | fr-analyze (pickles) s / GiB | speedup | "
-            "fr-analyze (frdump) s / GiB | speedup | unpickle floor s (no-gc floor) | "
-            "fr-analyze / floor (/ no-gc floor) | culprits (ours) |")
+    head = ("| set | ranks | torchfrtrace wall s / cpu s / GiB | fr-analyze (pickles) wall / cpu / GiB "
+            "| speedup wall (cpu) | fr-analyze (frdump) wall / cpu / GiB | speedup wall (cpu) "
+            "| unpickle floor wall / cpu (no-gc floor) | fr-analyze / floor, wall (cpu) "
+            "[no-gc floor] | culprits (ours) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, r in results.items():
         med = r["median"]
         ranks = r["ranks"]
         torch = med.get("torchfrtrace")
-        torch_txt = f"{torch[0]:.2f} / {torch[1]:.2f}" if torch else "—"
+        torch_txt = f"{torch[0]:.2f} / {torch[2]:.2f} / {torch[1]:.2f}" if torch else "—"
         torch_s = torch[0] if torch else None
-        if torch is None and torch_fit is not None and "floor" not in name:
+        torch_cpu = torch[2] if torch else None
+        if torch is None and torch_fit is not None:
             torch_s = torch_fit[0] + torch_fit[1] * ranks
-            torch_txt = f"~{torch_s:.0f} (extrapolated)"
+            torch_cpu = None
+            torch_txt = f"~{torch_s:.0f} (extrapolated wall)"
         cells = [name, str(ranks), torch_txt]
         for tool in ("fr-analyze native", "fr-analyze frdump"):
             m = med.get(tool)
             if m is None:
                 cells += ["—", "—"]
                 continue
-            cells.append(f"{m[0]:.2f} / {m[1]:.2f}")
-            cells.append(f"{torch_s / m[0]:.1f}×" if torch_s else "—")
+            cells.append(f"{m[0]:.2f} / {m[2]:.2f} / {m[1]:.2f}")
+            speed = f"{torch_s / m[0]:.1f}×" if torch_s else "—"
+            if torch_cpu:
+                speed += f" ({torch_cpu / m[2]:.1f}×)"
+            cells.append(speed)
         floor, floor_nogc = med.get("unpickle floor"), med.get("unpickle floor (no gc)")
         ours = med.get("fr-analyze native")
         if floor and floor_nogc and ours:
-            cells.append(f"{floor[0]:.2f} ({floor_nogc[0]:.2f})")
-            cells.append(f"{ours[0] / floor[0]:.2f} ({ours[0] / floor_nogc[0]:.2f})")
+            cells.append(f"{floor[0]:.2f} / {floor[2]:.2f} ({floor_nogc[0]:.2f} / {floor_nogc[2]:.2f})")
+            cells.append(f"{ours[0] / floor[0]:.2f} ({ours[2] / floor[2]:.2f}) "
+                         f"[{ours[0] / floor_nogc[0]:.2f} ({ours[2] / floor_nogc[2]:.2f})]")
         else:
             cells += ["—", "—"]
         cells.append(" ".join(f"{k.split()[-1]}: {v}" for k, v in r["culprits"].items()) or "—")
