@@ -273,3 +273,14 @@ def test_every_captured_torch_dump_decodes() -> None:
     for path in files:
         trace = decode_dump(path.read_bytes(), source=str(path), rank_hint=0)
         assert trace.version.startswith("2.")
+
+
+def test_version_1_frdump_with_list_ranks_still_reads() -> None:
+    import msgpack
+
+    doc = msgpack.unpackb(frdump.encode(_trace())[len(frdump.MAGIC):], raw=False)
+    doc["version"] = 1
+    for g in doc["groups"]:
+        g["ranks"] = np.frombuffer(g["ranks"], dtype="<i4").tolist()
+    back = frdump.decode(frdump.MAGIC + msgpack.packb(doc, use_bin_type=True), source="v1")
+    assert back.groups == _trace().groups and back.version == "1"

@@ -92,16 +92,29 @@ def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
 def _timeline(ctx: Context) -> tuple[RankTimeline, ...]:
     """Each rank's kept entries (last ones and unfinished ones), for drawn timelines."""
     out: list[RankTimeline] = []
+    # Labels per group and locations per stack are computed once: at 16k ranks
+    # the timeline holds half a million ops sharing a few hundred of each.
+    labels: dict[int, tuple[str, str]] = {}
+    locations: dict[int, str | None] = {}
     for rank in sorted(ctx.job.digests):
         d = ctx.job.digests[rank]
         wait = ctx.graph.waits.get(rank)
         ops: list[TimelineOp] = []
         for row, det in sorted(d.details.items()):
             gid = ctx.job.group_of.get((rank, det.group))
-            ref = None if gid is None else ctx.pg(gid)
+            if gid is None:
+                name, label = str(det.group), f"group {det.group}"
+            else:
+                if gid not in labels:
+                    ref = ctx.pg(gid)
+                    labels[gid] = (ref.name, ref.label())
+                name, label = labels[gid]
+            key = id(det.frames)
+            if key not in locations:
+                locations[key] = det.location
             ops.append(TimelineOp(
-                group=ref.name if ref is not None else str(det.group),
-                group_label=ref.label() if ref is not None else f"group {det.group}",
+                group=name,
+                group_label=label,
                 seq=det.p2p_seq if det.is_p2p else det.seq,
                 seq_kind="p2p" if det.is_p2p else "collective",
                 op=det.op,
@@ -112,7 +125,7 @@ def _timeline(ctx: Context) -> tuple[RankTimeline, ...]:
                 peer=det.peer,
                 in_shapes=det.in_shapes,
                 in_dtypes=det.in_dtypes,
-                location=det.location,
+                location=locations[key],
                 blocking=wait is not None and wait.row == row,
             ))
         out.append(RankTimeline(rank=rank, dump_time_ns=d.dump_time_ns, ops=tuple(ops)))

@@ -8,7 +8,7 @@ Layout::
       "rank": 3, "world_size": 8, "host": "node07", "pid": 4121, "job_id": null,
       "dump_reason": "peer_signal", "dump_detail": "...",
       "dump_time_ns": ..., "dump_monotonic_ns": ..., "completion_resolution_ns": 2000000,
-      "groups": [{"name": "0", "desc": "default_pg", "ranks": [0, ...], "backend": "gloo"}],
+      "groups": [{"name": "0", "desc": "default_pg", "ranks": <i4 bytes>, "backend": "gloo"}],
       "strings": ["all_reduce", "Float", ...],              # string table
       "frames": {"file": <i4 bytes>, "line": <i4 bytes>, "name": <i4 bytes>},
       "stacks": [<i4 bytes: frame indices, outermost first>, ...],
@@ -58,7 +58,11 @@ from frforensics.model import (
 
 MAGIC: Final = b"\x93FRDUMP\n"
 FORMAT_NAME: Final = "frforensics.frdump"
-VERSION: Final = 1
+VERSION: Final = 2
+# Version history (readers accept all of them):
+#   1  group members as a msgpack list of ints
+#   2  group members as packed little-endian int32 (a 16k-rank default group in
+#      every rank's dump decodes with one frombuffer, not 16k Python ints)
 
 __all__ = ["MAGIC", "VERSION", "decode", "encode", "is_frdump", "write_atomic"]
 
@@ -151,7 +155,7 @@ def encode(trace: RankTrace) -> bytes:
             {
                 "name": g.name,
                 "desc": g.desc,
-                "ranks": None if g.ranks is None else list(g.ranks),
+                "ranks": None if g.ranks is None else _i4(g.ranks),
                 "backend": g.backend,
             }
             for g in trace.groups
@@ -256,6 +260,17 @@ def decode(data: bytes, *, source: str = "<bytes>") -> RankTrace:
         raise CorruptDumpError(f"{source}: malformed frdump ({type(exc).__name__}: {exc})") from None
 
 
+def _group_ranks(raw: Any, source: str) -> tuple[int, ...] | None:
+    """Group members: packed int32 (version 2) or a list of ints (version 1)."""
+    if raw is None:
+        return None
+    if isinstance(raw, bytes):
+        return tuple(_int_column(raw, "group ranks", source).tolist())
+    if isinstance(raw, list) and all(type(r) is int for r in raw):
+        return tuple(raw)
+    raise CorruptDumpError(f"{source}: group ranks are malformed")
+
+
 def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
     strings = doc.get("strings") or []
     if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
@@ -309,7 +324,7 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
             GroupInfo(
                 name=str(g.get("name", "")),
                 desc=str(g.get("desc", "")),
-                ranks=None if ranks is None else tuple(int(r) for r in ranks),
+                ranks=_group_ranks(ranks, source),
                 backend=str(g.get("backend", "")),
             )
         )
