@@ -109,3 +109,31 @@ def test_text_output_stays_short_with_many_ranks(tmp_path: Path) -> None:
     rendered = text.render(report)
     assert len(rendered.splitlines()) < 60
     assert "rank 9" in rendered.splitlines()[0] or "Culprit:  rank 9" in rendered
+
+
+SCALE_LAYOUTS = {
+    256: dict(world_size=256, tp=8, pp=4, dp=8),
+    1024: dict(world_size=1024, tp=8, pp=8, dp=16),
+}
+
+
+@pytest.mark.scale
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("fault", ["skip_tp", "op_mismatch", "size_mismatch", "dtype_mismatch",
+                                   "hang_in_op", "dead_no_dump", "stuck_python"])
+@pytest.mark.parametrize("size", [256, 1024])
+def test_planted_fault_at_scale(fault: str, size: int, tmp_path: Path) -> None:
+    """Issue #2's sizes: 2000-entry rings, native pickles, 256 and 1024 ranks."""
+    job = JobBuilder(**SCALE_LAYOUTS[size], ring_size=2000, seed=size).steps(12)
+    # Rank numbers of the 8/16-rank cases, spread over the bigger job.
+    job = {
+        "skip_tp": lambda j: j.skip(rank=size // 2 + 5, group="tp", step=8),
+        "op_mismatch": lambda j: j.op_mismatch(rank=size // 3, step=8, group="tp"),
+        "size_mismatch": lambda j: j.size_mismatch(rank=size - 9, step=8, group="dp"),
+        "dtype_mismatch": lambda j: j.dtype_mismatch(rank=17, step=9, group="tp"),
+        "hang_in_op": lambda j: j.hang_in_op(rank=size // 4 + 3, step=8, group="dp"),
+        "dead_no_dump": lambda j: j.dead(rank=size - 2, step=8),
+        "stuck_python": lambda j: j.stuck(rank=size // 2 + 1, step=9),
+    }[fault](job)
+    report, expected = _analyze(job, tmp_path, "pickle")
+    _assert_verdict(report, expected)
