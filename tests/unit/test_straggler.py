@@ -97,3 +97,28 @@ def test_real_gloo_runs_without_a_straggler_raise_none(scenario: str) -> None:
     report = analyze(load_dumps([NATIVE / scenario / "pickle"], jobs=1),
                      options=AnalyzeOptions(world_size=4))
     assert not [f for f in report.findings if f.kind is FindingKind.STRAGGLER]
+
+
+@pytest.mark.parametrize("upper", [False, True])
+@pytest.mark.parametrize("layout", ["member", "sorted"])
+def test_segment_medians_match_a_plain_sort_with_nans_and_uneven_sizes(layout: str, upper: bool) -> None:
+    import numpy as np
+
+    from frforensics.analyzer.detectors.straggler import _Layout, _member_layout
+
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 12, size=300)
+    seg = np.repeat(np.arange(300), counts)
+    col = np.concatenate([rng.permutation(c) for c in counts])
+    shuffle = rng.permutation(len(seg))
+    seg, col = seg[shuffle], col[shuffle]
+    values = rng.normal(size=len(seg))
+    values[rng.random(len(seg)) < 0.2] = np.nan
+    built = (_member_layout(seg, col, np.bincount(seg, minlength=300)) if layout == "member"
+             else _Layout.sorted_by(seg, 300))
+    assert built is not None
+    got = built.median(values, upper=upper)
+    for s in range(300):
+        v = np.sort(values[(seg == s) & ~np.isnan(values)])
+        want = v[len(v) // 2 if upper else (len(v) - 1) // 2] if len(v) else np.nan
+        assert got[s] == want or (np.isnan(got[s]) and np.isnan(want))

@@ -25,8 +25,11 @@ times: per-rank clock offsets are estimated as each rank's median arrival
 offset, and a member's previous release as the last arrival at its previous
 collective. Per-rank clock offsets are always estimated (from completions when
 known, which are near-simultaneous on all members) and reported in evidence.
-Everything is vectorized: thousands of ranks × 2000 entries take well under a
-second.
+Everything is vectorized: per-collective medians sort each collective's members in
+a padded (collectives × members) array, never all values at once; clock offsets are
+only estimated once there is something to report (or lateness needs them), and a
+job where no rank is late by the smallest possible threshold at least 3 times stops
+after the lateness. 4096 ranks × 2000 entries take about a second.
 
 Worked example (4 ranks, default group; rank 1 sleeps 300 ms before each step)::
 
@@ -58,6 +61,7 @@ MIN_FRACTION: Final = 0.05
 F8 = npt.NDArray[np.float64]
 I8 = npt.NDArray[np.int64]
 BOOL = npt.NDArray[np.bool_]
+IX = npt.NDArray[np.integer[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,43 +86,150 @@ class ArrivalTable:
     resolution_ns: int
 
 
-def _seg_median(seg: I8, values: F8, n_seg: int, *, upper: bool = False) -> F8:
-    """Lower (or upper) median of ``values`` per segment id (NaN values are ignored).
+class _Layout:
+    """Where each row's value goes in per-segment rows of a padded 2-D array.
 
-    Which one matters for two-member groups, where it picks the other member:
-    lateness compares a member with the one that waited longest, excess think
-    time with the one that thought least.
+    Segments are bucketed by width (their size rounded up to a power of two), so a
+    median is a scatter, one row-wise sort (or partition) per bucket and a gather:
+    no sort of all values, and the layout is reused across calls.
     """
-    out = np.full(n_seg, np.nan)
-    ok = ~np.isnan(values)
-    if not ok.any():
+
+    __slots__ = ("buckets", "n_seg")
+
+    def __init__(self, seg: IX, col: IX, counts: I8) -> None:
+        self.n_seg = len(counts)
+        width = np.ones(len(counts), dtype=np.int64)
+        big = counts > 1
+        width[big] = 1 << np.ceil(np.log2(counts[big])).astype(np.int64)
+        self.buckets: list[tuple[int, bool, I8, I8, I8]] = []
+        row_width = width[seg]
+        for w in np.unique(width[counts > 0]).tolist():
+            segs = np.flatnonzero((width == w) & (counts > 0))
+            brow = np.zeros(len(counts), dtype=np.int64)
+            brow[segs] = np.arange(len(segs))
+            rows = np.flatnonzero(row_width == w)
+            flat = brow[seg[rows]] * w + col[rows]
+            exact = bool((counts[segs] == w).all())
+            self.buckets.append((w, exact, segs, rows, flat))
+
+    @classmethod
+    def contiguous(cls, seg: IX, n_seg: int) -> _Layout:
+        """Layout for non-decreasing ``seg`` (rows of a segment are adjacent)."""
+        counts = np.bincount(seg, minlength=n_seg)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        return cls(seg, np.arange(len(seg), dtype=np.int64) - starts[seg], counts)
+
+    @classmethod
+    def sorted_by(cls, seg: I8, n_seg: int) -> _Layout:
+        """Layout for any ``seg`` (one stable sort)."""
+        counts = np.bincount(seg, minlength=n_seg)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        order = np.argsort(seg, kind="stable")
+        col = np.empty(len(seg), dtype=np.int64)
+        col[order] = np.arange(len(seg), dtype=np.int64) - starts[seg[order]]
+        return cls(seg, col, counts)
+
+    def median(self, values: F8, *, upper: bool = False) -> F8:
+        """Lower (or upper) median of ``values`` per segment (NaN values are ignored).
+
+        Which one matters for two-member groups, where it picks the other member:
+        lateness compares a member with the one that waited longest, excess think
+        time with the one that thought least.
+        """
+        out = np.full(self.n_seg, np.nan)
+        for w, exact, segs, rows, flat in self.buckets:
+            v = values[rows]
+            nan = np.isnan(v)
+            cells = np.full(len(segs) * w, np.nan)
+            cells[flat] = v
+            grid = cells.reshape(len(segs), w)
+            if exact and not nan.any():
+                kth = w // 2 if upper else (w - 1) // 2
+                out[segs] = np.partition(grid, kth, axis=1)[:, kth]
+                continue
+            grid.sort(axis=1)  # NaN last
+            k = w - np.isnan(grid).sum(axis=1)
+            has = k > 0
+            mid = k[has] // 2 if upper else (k[has] - 1) // 2
+            out[segs[has]] = grid[np.flatnonzero(has), mid]
         return out
-    s, v = seg[ok], values[ok]
-    order = np.lexsort((v, s))
-    s, v = s[order], v[order]
-    counts = np.bincount(s, minlength=n_seg)
-    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    has = counts > 0
-    mid = counts[has] // 2 if upper else (counts[has] - 1) // 2
-    out[has] = v[starts[has] + mid]
-    return out
 
 
-def arrivals(ctx: Context) -> ArrivalTable | None:
-    """Build the :class:`ArrivalTable` of the job (``None`` when nothing to compare)."""
+@dataclass(slots=True)
+class _Rows:
+    """The per-(rank, collective) rows that :func:`arrivals` derives its table from."""
+
+    ranks: I8
+    pos: npt.NDArray[np.int32]
+    gid: I8
+    seg: I8
+    enq: F8
+    comp: F8
+    rel: F8
+    key_all: I8  # before ``keep``, for :meth:`prev`
+    keep: BOOL
+    starts: I8  # first row of each rank's collectives in ``key_all``
+    op: npt.NDArray[Any]
+    seg_size: I8
+    by_seg: _Layout
+    op_names: dict[int, str]
+    resolution_ns: int
+
+    @property
+    def n_seg(self) -> int:
+        return len(self.seg_size)
+
+    def kept_keys(self) -> I8:
+        out = np.empty(self.n_seg, dtype=np.int64)
+        out[self.seg] = self.key_all[self.keep]
+        return out
+
+    def prev(self) -> I8:
+        """Key of each row's previous collective on its rank (-1: none)."""
+        prev = np.empty_like(self.key_all)
+        prev[1:] = self.key_all[:-1]
+        prev[self.starts] = -1
+        return prev[self.keep]
+
+    def seg_has_comp(self) -> BOOL:
+        known = np.bincount(self.seg, weights=(~np.isnan(self.comp)).astype(np.float64),
+                            minlength=self.n_seg)
+        return np.asarray(known == self.seg_size)
+
+
+def _member_layout(seg: I8, col: I8, counts: I8) -> _Layout | None:
+    """Layout from each row's member index in its group (``None`` if not a bijection)."""
+    if len(col) == 0 or col.min() < 0 or (col >= counts[seg]).any():
+        return None
+    layout = _Layout(seg, col, counts)
+    for w, _, segs, _, flat in layout.buckets:
+        filled = np.zeros(len(segs) * w, dtype=np.bool_)
+        filled[flat] = True
+        if int(np.count_nonzero(filled)) != len(flat):  # two rows in one cell
+            return None
+    return layout
+
+
+def _collect(ctx: Context) -> _Rows | None:
     job = ctx.job
     ranks = sorted(job.digests)
     if len(ranks) < 2:
         return None
     gsize = np.array([len(g.ranks) for g in job.groups] + [0], dtype=np.int64)
-    parts: dict[str, list[npt.NDArray[Any]]] = {k: [] for k in
-                                                ("key", "pos", "enq", "comp", "rel", "prev", "op")}
+    members = [{r: i for i, r in enumerate(g.ranks)} for g in job.groups]
+    parts: dict[str, list[npt.NDArray[Any]]] = {
+        k: [] for k in ("key", "enq", "comp", "rel", "op", "gid", "col")}
     op_names: dict[int, str] = {}
     max_seq = 1
     for d in job.digests.values():
         if len(d):
             max_seq = max(max_seq, int(d.seq.max()) + 2)
     resolution = 0
+    lo: dict[int, int] = {}  # seq range per group, for dense collective numbering
+    hi: dict[int, int] = {}
+    dense_ok = True
+    lengths: list[int] = []
+    at_list: list[int] = []
     for at, rank in enumerate(ranks):
         d = job.digests[rank]
         if not len(d):
@@ -137,79 +248,157 @@ def arrivals(ctx: Context) -> ArrivalTable | None:
         rows = np.flatnonzero((d.is_p2p == 0) & (gid >= 0) & (d.t_enqueue_ns > 0))
         if len(rows) == 0:
             continue
-        key = gid[rows] * max_seq + d.seq[rows]
-        _, first = np.unique(key, return_index=True)  # coalesced: one row per unit
-        rows = np.sort(rows[first])
-        key = gid[rows] * max_seq + d.seq[rows]
-        prev = np.concatenate(([-1], key[:-1]))  # previous collective of this rank
-        parts["key"].append(key)
-        parts["pos"].append(np.full(len(rows), at, dtype=np.int64))
+        g_rows = gid[rows]
+        seq = d.seq[rows].astype(np.int64)
+        key = g_rows * max_seq + seq
+        col = np.full(len(rows), -1, dtype=np.int32)
+        if seq.min() < 0:  # keys of different groups may collide: dedup them as one
+            dense_ok = False
+            _, first_idx = np.unique(key, return_index=True)
+            first = np.zeros(len(rows), dtype=np.bool_)
+            first[first_idx] = True
+        else:
+            # coalesced: one row per unit, the first; a group's seqs normally never decrease
+            first = np.ones(len(rows), dtype=np.bool_)
+            for g in {int(x) for x in lut[:-1]} - {-1}:
+                mask = g_rows == g
+                k = key[mask]
+                if len(k) == 0:
+                    continue
+                if (k[1:] >= k[:-1]).all():
+                    f = np.ones(len(k), dtype=np.bool_)
+                    f[1:] = k[1:] != k[:-1]
+                    s_lo, s_hi = int(k[0]), int(k[-1])
+                else:
+                    _, first_idx = np.unique(k, return_index=True)
+                    f = np.zeros(len(k), dtype=np.bool_)
+                    f[first_idx] = True
+                    s_lo, s_hi = int(k.min()), int(k.max())
+                first[mask] = f
+                col[mask] = members[g].get(rank, -1)
+                s_lo, s_hi = s_lo - g * max_seq, s_hi - g * max_seq
+                lo[g] = min(lo.get(g, s_lo), s_lo)
+                hi[g] = max(hi.get(g, s_hi), s_hi)
+        rows = rows[first]
+        lengths.append(len(rows))
+        at_list.append(at)
+        parts["key"].append(key[first])
         parts["enq"].append(enq[rows])
         parts["comp"].append(comp[rows])
         parts["rel"].append(rel[rows])
-        parts["prev"].append(prev)
-        parts["op"].append(d.op_hash[rows].astype(np.int64))
+        parts["op"].append(d.op_hash[rows])
+        parts["gid"].append(g_rows[first].astype(np.int32))
+        parts["col"].append(col[first])
         op_names.update(d.op_names)
     if not parts["key"]:
         return None
-    key = np.concatenate(parts["key"])
-    pos = np.concatenate(parts["pos"])
-    enq = np.concatenate(parts["enq"])
-    comp = np.concatenate(parts["comp"])
-    rel = np.concatenate(parts["rel"])
-    prev = np.concatenate(parts["prev"])
-    op = np.concatenate(parts["op"])
+    cat = {k: np.concatenate(v) for k, v in parts.items()}
+    key, gid = cat["key"], cat["gid"]
 
-    uniq, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
-    full = counts == gsize[uniq // max_seq]
-    keep = full[inverse] & (counts[inverse] > 1)
+    gids = sorted(lo)
+    spans = np.array([hi[g] - lo[g] + 1 for g in gids], dtype=np.int64)
+    if dense_ok and int(spans.sum()) <= 4 * len(key) + 4096:
+        # number collectives densely by (group, seq), which is the order of ``key``
+        shift = np.zeros(len(job.groups) + 1, dtype=np.int64)  # key -> dense number
+        shift[gids] = (np.concatenate(([0], np.cumsum(spans)[:-1]))
+                       - np.array([lo[g] + g * max_seq for g in gids], dtype=np.int64))
+        dense = key + shift[gid]
+        counts = np.bincount(dense, minlength=int(spans.sum()))
+        full = counts == gsize[np.repeat(np.asarray(gids, dtype=np.int64), spans)]
+    else:
+        uniq, dense, counts = np.unique(key, return_inverse=True, return_counts=True)
+        full = counts == gsize[uniq // max_seq]
+    kept = full & (counts > 1)
+    keep = kept[dense]
     if not keep.any():
         return None
-    # re-number the kept segments densely
-    kept_keys = uniq[full & (counts > 1)]
-    key, pos, enq, comp, rel, prev, op = (
-        key[keep], pos[keep], enq[keep], comp[keep], rel[keep], prev[keep], op[keep])
-    seg = np.searchsorted(kept_keys, key)
-    n_seg = len(kept_keys)
-    gid = kept_keys[seg] // max_seq
-    n_ranks = len(ranks)
-
-    comp_known = np.bincount(seg, weights=(~np.isnan(comp)).astype(np.float64), minlength=n_seg)
+    seg = (np.cumsum(kept) - 1)[dense[keep]]  # kept collectives, numbered densely
+    n_seg = int(kept.sum())
+    n_rows = np.asarray(lengths, dtype=np.int64)
+    pos = np.repeat(np.asarray(at_list, dtype=np.int32), n_rows)[keep]
     seg_size = np.bincount(seg, minlength=n_seg)
-    seg_has_comp = comp_known == seg_size
-    from_completions = bool(seg_has_comp.mean() > 0.5)
+    by_seg = _member_layout(seg, cat["col"][keep], seg_size) or _Layout.sorted_by(seg, n_seg)
+    return _Rows(
+        ranks=np.asarray(ranks, dtype=np.int64), pos=pos, gid=gid[keep], seg=seg,
+        enq=cat["enq"][keep], comp=cat["comp"][keep], rel=cat["rel"][keep],
+        key_all=key, keep=keep, starts=np.concatenate(([0], np.cumsum(n_rows)[:-1])),
+        op=cat["op"][keep], seg_size=seg_size,
+        by_seg=by_seg, op_names=op_names, resolution_ns=resolution,
+    )
 
+
+def _offsets(t: _Rows, base: F8) -> F8:
+    """Per-rank clock offsets: each rank's median residual against its collectives' median."""
+    n_ranks = len(t.ranks)
+    by_pos = _Layout.contiguous(t.pos, n_ranks)  # rows are in rank order
     offset = np.zeros(n_ranks)
-    base = np.where(seg_has_comp[seg], comp, np.nan) if from_completions else enq.copy()
     for _ in range(3):  # a few rounds: groups overlap, so offsets settle across the job
-        shifted = base - offset[pos]
-        resid = shifted - _seg_median(seg, shifted, n_seg)[seg]
-        step = _seg_median(pos, resid, n_ranks)
+        shifted = base - offset[t.pos]
+        resid = shifted - t.by_seg.median(shifted)[t.seg]
+        step = by_pos.median(resid)
         offset += np.nan_to_num(step)
     offset -= np.median(offset)
+    return offset
 
+
+def _lateness_think(t: _Rows, from_completions: bool, has_comp: BOOL,
+                    offset: F8 | None) -> tuple[F8, F8]:
+    seg = t.seg
     if from_completions:
-        wait = np.where(seg_has_comp[seg], comp - enq, np.nan)
-        lateness = _seg_median(seg, wait, n_seg, upper=True)[seg] - wait
-        think = enq - rel
-    else:
-        arrive = enq - offset[pos]
-        lateness = arrive - _seg_median(seg, arrive, n_seg)[seg]
-        last_arrival = np.full(n_seg + 1, np.nan)
-        np.fmax.at(last_arrival, seg, arrive)
-        pseg = np.searchsorted(kept_keys, prev)
-        found = (prev >= 0) & (pseg < n_seg) & (kept_keys[np.minimum(pseg, n_seg - 1)] == prev)
-        released = np.where(found, last_arrival[np.where(found, pseg, n_seg)], np.nan)
-        think = arrive - released
+        wait = np.where(has_comp[seg], t.comp - t.enq, np.nan)
+        return t.by_seg.median(wait, upper=True)[seg] - wait, t.enq - t.rel
+    assert offset is not None
+    n_seg = t.n_seg
+    arrive = t.enq - offset[t.pos]
+    lateness = arrive - t.by_seg.median(arrive)[seg]
+    last_arrival = np.full(n_seg + 1, np.nan)
+    np.fmax.at(last_arrival, seg, arrive)
+    kept_keys, prev = t.kept_keys(), t.prev()
+    pseg = np.searchsorted(kept_keys, prev)
+    found = (prev >= 0) & (pseg < n_seg) & (kept_keys[np.minimum(pseg, n_seg - 1)] == prev)
+    released = np.where(found, last_arrival[np.where(found, pseg, n_seg)], np.nan)
+    return lateness, arrive - released
+
+
+def _excess(t: _Rows, think: F8) -> F8:
     valid = ~np.isnan(think)
-    valid_count = np.bincount(seg, weights=valid.astype(np.float64), minlength=n_seg)
-    think = np.where((valid_count == seg_size)[seg], think, np.nan)
-    excess = think - _seg_median(seg, think, n_seg)[seg]
+    valid_count = np.bincount(t.seg, weights=valid.astype(np.float64), minlength=t.n_seg)
+    think = np.where((valid_count == t.seg_size)[t.seg], think, np.nan)
+    return np.asarray(think - t.by_seg.median(think)[t.seg])
+
+
+def _basis(t: _Rows) -> tuple[bool, BOOL, F8 | None]:
+    """Whether completions are used, which collectives have them, and the clock
+    offsets when lateness needs them (enqueue times only)."""
+    has_comp = t.seg_has_comp()
+    from_completions = bool(has_comp.mean() > 0.5)
+    if from_completions:
+        return True, has_comp, None
+    return False, has_comp, _offsets(t, t.enq.copy())
+
+
+def _table(t: _Rows, from_completions: bool, lateness: F8, excess: F8, offset: F8) -> ArrivalTable:
     return ArrivalTable(
-        ranks=np.asarray(ranks, dtype=np.int64), pos=pos, gid=gid, seg=seg,
-        lateness=lateness, excess=excess, offset_ns=offset, op=op, op_names=op_names,
-        from_completions=from_completions, resolution_ns=resolution,
+        ranks=t.ranks, pos=t.pos.astype(np.int64), gid=t.gid.astype(np.int64), seg=t.seg,
+        lateness=lateness, excess=excess, offset_ns=offset, op=t.op.astype(np.int64), op_names=t.op_names, from_completions=from_completions,
+        resolution_ns=t.resolution_ns,
     )
+
+
+def _completion_offsets(t: _Rows, has_comp: BOOL) -> F8:
+    return _offsets(t, np.where(has_comp[t.seg], t.comp, np.nan))
+
+
+def arrivals(ctx: Context) -> ArrivalTable | None:
+    """Build the :class:`ArrivalTable` of the job (``None`` when nothing to compare)."""
+    t = _collect(ctx)
+    if t is None:
+        return None
+    from_completions, has_comp, offset = _basis(t)
+    lateness, think = _lateness_think(t, from_completions, has_comp, offset)
+    if offset is None:
+        offset = _completion_offsets(t, has_comp)
+    return _table(t, from_completions, lateness, _excess(t, think), offset)
 
 
 def _short_group(ctx: Context, gid: int) -> str:
@@ -224,25 +413,35 @@ def _ms(ns: float) -> str:
 
 def detect(ctx: Context) -> list[Finding]:
     """One warning per rank that consistently arrives last."""
-    table = arrivals(ctx)
-    if table is None:
+    t = _collect(ctx)
+    if t is None:
         return []
-    e, a = table.excess, table.lateness
+    from_completions, has_comp, offset = _basis(t)
+    a, think = _lateness_think(t, from_completions, has_comp, offset)
+    # the threshold is never below ``floor``: a rank that is not even late by that much
+    # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here
+    floor = max(FLOOR_NS, 3.0 * t.resolution_ns)
+    if np.bincount(t.pos, weights=a > floor).max() < MIN_BLAMED:
+        return []
+    e = _excess(t, think)
     finite = e[~np.isnan(e)]
     if len(finite) == 0:
         return []
     mad = float(np.median(np.abs(finite - np.median(finite))))
-    threshold = max(FLOOR_NS, 3.0 * table.resolution_ns, SIGMAS * 1.4826 * mad)
+    threshold = max(floor, SIGMAS * 1.4826 * mad)
     blamed = (e > threshold) & (a > threshold)
     late = (a > threshold) & ~blamed
-    n_ranks = len(table.ranks)
-    total = np.bincount(table.pos, weights=~np.isnan(e), minlength=n_ranks)
-    count = np.bincount(table.pos, weights=blamed, minlength=n_ranks)
+    n_ranks = len(t.ranks)
+    total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
+    count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
     typical = float(np.median(count))
     flagged = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
                              & (count > 4 * typical + 2))
     if len(flagged) == 0:
         return []
+    if offset is None:  # only reported: estimated once there is something to report
+        offset = _completion_offsets(t, has_comp)
+    table = _table(t, from_completions, a, e, offset)
     victims_count = np.bincount(table.pos, weights=late, minlength=n_ranks)
     victims = [int(table.ranks[p]) for p in np.flatnonzero(victims_count >= MIN_BLAMED)
                if p not in set(flagged.tolist())]
