@@ -29,8 +29,8 @@ __all__ = ["AnalyzeOptions", "DumpSet", "analyze", "load_dumps"]
 # Order of root causes at the top level: a desync explains the hang it causes.
 _KIND_ORDER = [
     FindingKind.OP_MISMATCH,
-    FindingKind.DTYPE_MISMATCH,
     FindingKind.SIZE_MISMATCH,
+    FindingKind.DTYPE_MISMATCH,
     FindingKind.DEAD_RANK,
     FindingKind.CROSS_PG_DEADLOCK,
     FindingKind.P2P_DEADLOCK,

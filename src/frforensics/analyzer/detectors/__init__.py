@@ -29,8 +29,8 @@ __all__ = ["DETECTORS"]
 
 DETECTORS: list[Callable[[Context], list[Finding]]] = [
     op_mismatch.detect,
-    dtype_mismatch.detect,
     size_mismatch.detect,
+    dtype_mismatch.detect,
     dead_rank.detect,
     missing_dump.detect,
     missing_rank.detect,

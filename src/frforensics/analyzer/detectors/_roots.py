@@ -15,8 +15,9 @@ def primary_wait(root: Root) -> tuple[Wait | None, list[Wait]]:
     """The op most ranks wait in for ``root`` (and all waits on that op).
 
     A collective wins over p2p waits (a rank missing from a collective is a
-    ``missing_rank``, whatever p2p peers also wait on it); on a tie, the op whose
-    waiters began waiting first: where the job first got stuck on this rank.
+    ``missing_rank``, whatever p2p peers also wait on it); then the op whose
+    waiters began waiting first — where the job first got stuck on this rank —
+    and on equal times the one with the most waiters.
     """
     by: dict[tuple[int, int, str], list[Wait]] = defaultdict(list)
     for w in root.direct:
@@ -29,7 +30,7 @@ def primary_wait(root: Root) -> tuple[Wait | None, list[Wait]]:
         times = [w.detail.t_enqueue_ns for w in waits if w.detail and w.detail.t_enqueue_ns]
         return min(times) if times else 2**63
 
-    key = max(by, key=lambda k: (k[2] == "collective", len(by[k]), -started(by[k]), -k[1]))
+    key = max(by, key=lambda k: (k[2] == "collective", -started(by[k]), len(by[k]), -k[1]))
     return by[key][0], by[key]
 
 

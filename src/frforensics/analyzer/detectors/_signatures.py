@@ -66,7 +66,7 @@ def _units(ctx: Context, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
 
 
 def find_mismatches(ctx: Context) -> list[Mismatch]:
-    """Every group's first mismatch per field (op, then dtype, then size)."""
+    """Every group's first mismatch per field (op, then size, then dtype)."""
     if ctx.mismatches is not None:
         return ctx.mismatches
     found: list[Mismatch] = []
@@ -81,12 +81,13 @@ def find_mismatches(ctx: Context) -> list[Mismatch]:
         starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
         multi = np.diff(np.r_[starts, len(seq)]) > 1
         bad_op = multi & (np.maximum.reduceat(op, starts) != np.minimum.reduceat(op, starts))
-        bad_dtype = multi & ~bad_op & (
-            np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
+        # PyTorch's analyzer's order: op, then size, then dtype.
         checked = np.where(size < 0, np.iinfo(np.int64).min, size)
         sized = np.minimum.reduceat(size, starts) >= 0
-        bad_size = multi & ~bad_op & ~bad_dtype & sized & (
+        bad_size = multi & ~bad_op & sized & (
             np.maximum.reduceat(checked, starts) != np.minimum.reduceat(checked, starts))
+        bad_dtype = multi & ~bad_op & ~bad_size & (
+            np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
         for name, bad, column in (("op", bad_op, op), ("dtype", bad_dtype, dtype),
                                   ("size", bad_size, size)):
             hits = np.flatnonzero(bad)
