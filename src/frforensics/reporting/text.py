@@ -44,9 +44,12 @@ def _culprit_line(report: Report) -> str:
 def _headline(finding: Finding) -> str:
     """The finding's first clause: the verdict line stays one readable sentence."""
     text = finding.message
-    cuts = [i for i in (text.find("; "), text.find(". ")) if i > 0]
-    if cuts:
-        text = text[: min(cuts)]
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ";." and text[i + 1:i + 2] == " " and i > 0:
+            text = text[:i]
+            break
     return text[0].upper() + text[1:]
 
 
