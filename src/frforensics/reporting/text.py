@@ -9,12 +9,12 @@ ranks stay a few lines), load problems and notes.
 from __future__ import annotations
 
 import io
-from collections import defaultdict
 
 from rich.console import Console
 from rich.markup import escape
 
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
+from frforensics.reporting._shared import rank_states
 
 _STATUS_STYLE = {
     Status.HEALTHY: "bold green",
@@ -109,22 +109,11 @@ def render(report: Report, *, width: int = 100, color: bool = False) -> str:
 
 def _rank_summary(report: Report, out: object) -> None:
     assert callable(out)
-    groups: dict[str, list[int]] = defaultdict(list)
-    for rank, facts in report.ranks.items():
-        if facts.blocked_in:
-            key = f"blocked in {facts.blocked_in}"
-        elif facts.stuck_at:
-            key = f"not in a collective; main thread at {facts.stuck_at}"
-        else:
-            key = "not blocked in any recorded op"
-        groups[key].append(rank)
-    if report.ranks_missing:
-        groups["no dump"] = list(report.ranks_missing)
+    states = rank_states(report)
     world = report.world_size if report.world_size is not None else "unknown"
     out(f"[bold]Ranks[/] ({len(report.ranks_loaded)} loaded, world size {world})")
-    shown = sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
-    for key, ranks in shown[:12]:
-        out(f"  {format_ranks(ranks):<24} {escape(key)}")
-    if len(shown) > 12:
-        out(f"  … {len(shown) - 12} more distinct states")
+    for st in states[:12]:
+        out(f"  {format_ranks(st.ranks):<24} {escape(st.state)}")
+    if len(states) > 12:
+        out(f"  … {len(states) - 12} more distinct states")
     out("")
