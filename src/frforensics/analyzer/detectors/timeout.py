@@ -54,10 +54,7 @@ def detect(ctx: Context) -> list[Finding]:
         ages = [w.age_s for w in waits if w.age_s is not None]
         timeout_ms = max((w.detail.timeout_ms for w in waits if w.detail is not None), default=0)
         arrivals = _arrivals(ctx, gid, seq)
-        late: list[int] = []
-        if timeout_ms and len(arrivals) > 1:
-            first = min(arrivals.values())
-            late = sorted(r for r, t in arrivals.items() if t - first > timeout_ms * 1_000_000)
+        late = _late_members(arrivals, timeout_ms)
         lowest = min(states.values())
         if late and len(late) < len(arrivals):
             # Members that arrived after the others had already given up.
@@ -122,6 +119,14 @@ def _arrivals(ctx: Context, gid: int, seq: int) -> dict[int, int]:
     return out
 
 
+def _late_members(arrivals: dict[int, int], timeout_ms: int) -> list[int]:
+    """Members that entered more than ``timeout_ms`` after the first one did."""
+    if not timeout_ms or len(arrivals) < 2:
+        return []
+    first = min(arrivals.values())
+    return sorted(r for r, t in arrivals.items() if t - first > timeout_ms * 1_000_000)
+
+
 def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
     """Collectives that some member entered later than the timeout after the first."""
     findings: list[Finding] = []
@@ -149,10 +154,12 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
         s0 = int(seq[hits[0]])
         if (group.name, s0) in known or (group.gid, s0) in ctx.desynced:
             continue
-        in_seq = seq == s0
-        culprits = sorted({int(r) for r in ranks[late & in_seq]})
-        on_time = sorted({int(r) for r in ranks[in_seq & ~late]})
-        delay_s = float((t[late & in_seq] - first_t[late & in_seq]).max()) / 1e9
+        arrivals = _arrivals(ctx, group.gid, s0)
+        culprits = _late_members(arrivals, int(tmo[hits[0]]))
+        if not culprits:
+            continue
+        on_time = sorted(set(arrivals) - set(culprits))
+        delay_s = (max(arrivals[r] for r in culprits) - min(arrivals.values())) / 1e9
         timeout_s = float(tmo[hits[0]]) / 1000
         d = ctx.job.digests[culprits[0]]
         local = group.local.get(culprits[0])
