@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import sys
 import threading
 import time
@@ -44,7 +43,6 @@ torch: Any = _torch
 dist: Any = _dist
 c10d: Any = _c10d
 
-log = logging.getLogger("frforensics.recorder")
 
 PLUGIN_NAME = "frforensics"
 
