@@ -24,4 +24,13 @@ if platform.python_implementation() == "CPython" and sys.version_info[:2] == (3,
         )
     )
 
+if platform.python_implementation() == "CPython":
+    ext_modules.append(
+        Extension(
+            "frforensics.formats._picklescan",
+            sources=["src/frforensics/formats/_picklescan.c"],
+            optional=True,
+        )
+    )
+
 setup(ext_modules=ext_modules)

@@ -194,8 +194,8 @@ def _decode_for_digest(data: bytes, *, source: str, rank_hint: int | None, tail:
     """
     fmt = sniff_format(data[:64])
     if fmt is SourceFormat.NATIVE_PICKLE:
-        doc = native.decode_pickle(data, source=source)
-    elif fmt is SourceFormat.NATIVE_JSON:
+        return native.pickle_to_trace(data, source=source, rank=rank_hint, detail_tail=tail)
+    if fmt is SourceFormat.NATIVE_JSON:
         doc = native.decode_json(data, source=source)
     else:
         return decode_dump(data, source=source, rank_hint=rank_hint)

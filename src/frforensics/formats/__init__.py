@@ -41,8 +41,8 @@ def decode_dump(data: bytes, *, source: str, rank_hint: int | None = None) -> Ra
             trace = replace(trace, rank=rank_hint, rank_from="filename")
         return trace
     if fmt is SourceFormat.NATIVE_PICKLE:
-        doc = native.decode_pickle(data, source=source)
-    elif fmt is SourceFormat.NATIVE_JSON:
+        return native.pickle_to_trace(data, source=source, rank=rank_hint)
+    if fmt is SourceFormat.NATIVE_JSON:
         doc = native.decode_json(data, source=source)
     else:
         raise NotADumpError(f"{source}: not a flight-recorder dump (unknown content)")

@@ -31,10 +31,11 @@ import io
 import json
 import math
 import operator
+import os
 import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import chain, pairwise, repeat
 from operator import itemgetter
 from typing import Any, Final, NamedTuple, NoReturn
 
@@ -51,7 +52,15 @@ from frforensics.model import (
     SourceFormat,
 )
 
-__all__ = ["NoGlobalsUnpickler", "decode_json", "decode_pickle", "looks_like_pickle", "to_trace"]
+__all__ = [
+    "NoGlobalsUnpickler",
+    "decode_json",
+    "decode_pickle",
+    "looks_like_pickle",
+    "pickle_to_trace",
+    "scanner_available",
+    "to_trace",
+]
 
 #: Largest native document we accept (bytes); beyond this a file is not a dump.
 MAX_NATIVE_BYTES: Final = 2 << 30
@@ -228,9 +237,12 @@ class _Irregular(Exception):
 
 def _int_list(values: list[Any], what: str, source: str) -> np.ndarray:
     try:
-        return np.array([0 if v is None else v for v in values], dtype=np.int64)
+        out = np.array([0 if v is None else v for v in values], dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
+        out = None
+    if out is None or out.shape != (len(values),):  # a list in an integer field: [[]] is 2-D
         raise CorruptDumpError(f"{source}: entry field {what!r} holds a non-integer") from None
+    return out
 
 
 def _bad(source: str, what: str) -> NoReturn:
@@ -352,7 +364,10 @@ def _bulk_numel(column: Sequence[Any]) -> np.ndarray:
 def _bulk_int(column: Sequence[Any], *, none_is_zero: bool) -> np.ndarray:
     if none_is_zero:
         column = [0 if v is None else v for v in column]
-    return np.array(column, dtype=np.int64)
+    out = np.array(column, dtype=np.int64)
+    if out.shape != (len(column),):
+        raise _Irregular  # lists in an integer field
+    return out
 
 
 def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
@@ -606,11 +621,7 @@ def to_trace(
     resolved once). Formatting the shapes of 2000 entries costs a third of
     decoding the pickle; an analysis shows a few dozen.
     """
-    if not isinstance(doc, Mapping):
-        raise NotADumpError(f"{source}: not a flight-recorder dump (top level is {type(doc).__name__})")
-    if "entries" not in doc and "version" not in doc:
-        raise NotADumpError(f"{source}: not a flight-recorder dump (no 'version' or 'entries')")
-    version = _as_str(doc.get("version"))
+    header = _header(doc, source=source, rank=rank, rank_from=rank_from)
     entries = doc.get("entries") or []
     if not isinstance(entries, list):
         _bad(source, "'entries' is not a list of records")
@@ -618,10 +629,43 @@ def to_trace(
         if not all(isinstance(e, Mapping) for e in entries):
             _bad(source, "'entries' is not a list of records")
         entries = [dict(e) for e in entries]
+
+    ctx = _Context(header.config)
+    try:
+        cols = _columns_bulk(entries, ctx)
+    except (_Irregular, KeyError, TypeError, ValueError, OverflowError):
+        ctx = _Context(header.config)  # start clean: the general reader interns in its own order
+        cols = _columns_general(entries, ctx, source)
+
+    n = len(entries)
+    details = _read_details(entries, _detail_rows(cols, n, detail_tail), ctx.strings, source)
+    stacks = _Stacks(source)
+    stack = stacks.column(entries)
+    return _assemble(n, ctx, cols, details, tuple(stacks.stacks), stack, header, source, fmt)
+
+
+class _Header(NamedTuple):
+    version: str
+    rank: int | None
+    rank_from: str
+    config: dict[str, tuple[str, tuple[int, ...] | None]]
+
+
+def _header(
+    doc: Any, *, source: str, rank: int | None, rank_from: str, scanned: bool = False
+) -> _Header:
+    """What a document says besides its entries: version, rank, group membership.
+
+    ``scanned``: ``doc`` is the C scanner's top level, whose entries it took out.
+    """
+    if not isinstance(doc, Mapping):
+        raise NotADumpError(f"{source}: not a flight-recorder dump (top level is {type(doc).__name__})")
+    if not scanned and "entries" not in doc and "version" not in doc:
+        raise NotADumpError(f"{source}: not a flight-recorder dump (no 'version' or 'entries')")
     if isinstance(doc.get("rank"), int) and not isinstance(doc.get("rank"), bool):
         rank, rank_from = int(doc["rank"]), "content"
 
-    # ---- groups: pg_config first (membership), then every group entries name
+    # groups: pg_config first (membership), then every group entries name
     pg_config = doc.get("pg_config") or {}
     if not isinstance(pg_config, Mapping):
         pg_config = {}
@@ -633,25 +677,29 @@ def to_trace(
         if not name:
             continue  # gloo writes {'': {name: '', desc: '', ranks: '[]'}}
         config[name] = (_as_str(cfg.get("desc")), _parse_ranks(cfg.get("ranks")))
+    return _Header(_as_str(doc.get("version")), rank, rank_from, config)
 
-    ctx = _Context(config)
-    try:
-        cols = _columns_bulk(entries, ctx)
-    except (_Irregular, KeyError, TypeError, ValueError, OverflowError):
-        ctx = _Context(config)  # start clean: the general reader interns in its own order
-        cols = _columns_general(entries, ctx, source)
 
-    n = len(entries)
+def _detail_rows(cols: _Columns, n: int, detail_tail: int | None) -> Iterable[int]:
+    """Rows whose report-only columns are resolved (see :func:`to_trace`)."""
     if detail_tail is None:
-        rows: Iterable[int] = range(n)
-    else:
-        pending = np.flatnonzero(cols.state < OpState.COMPLETED)
-        start = max(0, n - detail_tail)
-        rows = sorted({*range(start, n), *pending[pending < start].tolist()})
-    details = _read_details(entries, rows, ctx.strings, source)
-    stacks = _Stacks(source)
-    stack = stacks.column(entries)
+        return range(n)
+    pending = np.flatnonzero(cols.state < OpState.COMPLETED)
+    start = max(0, n - detail_tail)
+    return sorted({*range(start, n), *pending[pending < start].tolist()})
 
+
+def _assemble(
+    n: int,
+    ctx: _Context,
+    cols: _Columns,
+    details: _Details,
+    stacks: tuple[tuple[Frame, ...], ...],
+    stack: np.ndarray,
+    header: _Header,
+    source: str,
+    fmt: SourceFormat,
+) -> RankTrace:
     group_tuple = tuple(ctx.groups)
     op_lut = np.array([k[0] for k in ctx.op_kinds] or [NO_INDEX], dtype=np.int32)
     table = EntryTable.from_columns(
@@ -680,15 +728,142 @@ def to_trace(
         },
     )
     return RankTrace(
-        rank=rank,
-        rank_from=rank_from if rank is not None else "unknown",
+        rank=header.rank,
+        rank_from=header.rank_from if header.rank is not None else "unknown",
         source=source,
         format=fmt,
-        version=version,
+        version=header.version,
         groups=group_tuple,
         strings=tuple(ctx.strings.strings),
-        stacks=tuple(stacks.stacks),
+        stacks=stacks,
         entries=table,
+    )
+
+
+# ---- the C scanner's path -------------------------------------------------------
+
+try:
+    from frforensics.formats import _picklescan
+except ImportError:  # not compiled (no compiler, not CPython): the unpickler path only
+    _picklescan = None  # type: ignore[assignment]
+
+
+def scanner_available() -> bool:
+    """True when the C opcode scanner is compiled and not turned off.
+
+    ``FRFORENSICS_PICKLE_SCAN=0`` turns it off (every pickle then goes through
+    :class:`NoGlobalsUnpickler`), for comparisons and for a suspected bug.
+    """
+    return _picklescan is not None and os.environ.get("FRFORENSICS_PICKLE_SCAN", "1") != "0"
+
+
+def pickle_to_trace(
+    data: bytes,
+    *,
+    source: str,
+    rank: int | None,
+    detail_tail: int | None = None,
+) -> RankTrace:
+    """A native pickle dump's :class:`RankTrace`: ``to_trace(decode_pickle(data), ...)``.
+
+    Regular dumps are read by the C scanner (``_picklescan``), which executes
+    the pickle's opcodes into columns without building the document and gives
+    the same trace as the Python readers; anything it does not accept (any
+    global, odd types, missing fields, malformed bytes) is decoded by
+    :class:`NoGlobalsUnpickler` and read in Python, which decides what is wrong,
+    except a stream the scanner finds certainly malformed (truncated, stack
+    underflow, a memo index past the end of the file...), refused at once.
+    """
+    scanned = _picklescan.scan(data) if scanner_available() else None
+    if isinstance(scanned, str):
+        raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
+    if scanned is None:
+        doc = decode_pickle(data, source=source)
+        return to_trace(
+            doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank, detail_tail=detail_tail
+        )
+    return _trace_from_scan(scanned, source=source, rank=rank, detail_tail=detail_tail)
+
+
+def _first_seen(codes: np.ndarray, fill: Callable[[int], int], dtype: Any) -> np.ndarray:
+    """``[fill(c) for c in codes]``, calling ``fill`` once per distinct code, in first-seen order.
+
+    The order matters: ``fill`` may intern strings, and the Python reader
+    interns them in entry order.
+    """
+    if not len(codes):
+        return np.empty(0, dtype=dtype)
+    distinct, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    lut = np.empty(len(distinct), dtype=dtype)
+    for j in np.argsort(first, kind="stable").tolist():
+        lut[j] = fill(int(distinct[j]))
+    return lut[inverse.reshape(-1)]
+
+
+def _trace_from_scan(
+    sc: dict[str, Any], *, source: str, rank: int | None, detail_tail: int | None
+) -> RankTrace:
+    """The :class:`RankTrace` of a document the C scanner read (same as :func:`to_trace`)."""
+    header = _header(sc["doc"], source=source, rank=rank, rank_from="filename", scanned=True)
+    strings: list[str] = sc["strings"]
+    n: int = sc["n"]
+
+    def col(name: str, dtype: Any) -> np.ndarray:
+        return np.frombuffer(sc[name], dtype=dtype)
+
+    ctx = _Context(header.config)
+    width = len(strings)
+    pg = _first_seen(
+        col("pg_name", np.int32).astype(np.int64) * width + col("pg_desc", np.int32),
+        lambda key: ctx.group_of(strings[key // width], strings[key % width]),
+        np.int32,
+    )
+    op_kind = _first_seen(col("profiling_name", np.int32), lambda s: ctx.op_kind[strings[s]], np.int32)
+    in_dtypes = _first_seen(col("in_dtypes", np.int32), lambda s: ctx.strings[strings[s]], np.int32)
+    state = _first_seen(col("state", np.int32), lambda s: _state_of(strings[s]), np.uint8)
+    t_complete = col("t_complete", np.int64)
+    state[col("retired", np.bool_) | (t_complete != 0)] = OpState.COMPLETED
+    cols = _Columns(
+        pg=pg,
+        op_kind=op_kind,
+        is_p2p=col("is_p2p", np.uint8),
+        in_numel=col("in_numel", np.int64),
+        out_numel=col("out_numel", np.int64),
+        in_dtypes=in_dtypes,
+        state=state,
+        record_id=col("record_id", np.int64),
+        seq=col("seq", np.int64),
+        p2p_seq=col("p2p_seq", np.int64),
+        t_enqueue=col("t_enqueue", np.int64),
+        t_start=col("t_start", np.int64),
+        t_complete=t_complete,
+        timeout_ms=col("timeout_ms", np.int64),
+    )
+
+    # report-only columns, interned row by row in the Python reader's order
+    details = _Details(*(np.full(n, NO_INDEX, dtype=np.int32) for _ in range(4)))
+    sources = [col(name, np.int32) for name in ("in_sizes", "out_sizes", "out_dtypes", "thread")]
+    table = ctx.strings
+    for i in _detail_rows(cols, n, detail_tail):
+        for out, src in zip(details, sources, strict=True):
+            out[i] = table[strings[src[i]]]
+
+    frames = [
+        Frame(strings[f], line, strings[m])
+        for f, line, m in zip(
+            col("frame_file", np.int32).tolist(),
+            col("frame_line", np.int64).tolist(),
+            col("frame_name", np.int32).tolist(),
+            strict=True,
+        )
+    ]
+    offsets = col("stack_offsets", np.int32).tolist()
+    flat = col("stack_frames", np.int32).tolist()
+    stacks = tuple(
+        tuple(frames[f] for f in flat[lo:hi]) for lo, hi in pairwise(offsets)
+    )
+    return _assemble(
+        n, ctx, cols, details, stacks, col("stack", np.int32), header, source, SourceFormat.NATIVE_PICKLE
     )
 
 

@@ -1,0 +1,3 @@
+from typing import Any
+
+def scan(data: bytes, /) -> dict[str, Any] | str | None: ...

@@ -1,0 +1,218 @@
+"""The C opcode scanner reads native pickles exactly as the Python readers do.
+
+``native.pickle_to_trace`` sends a pickle through ``_picklescan.scan`` first; it
+must give the same trace as ``to_trace(decode_pickle(data))`` on every document
+it accepts, give way (``None``) on everything else, and call a stream corrupt
+(a ``str``) only where the unpickler fails too.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import platform
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_perf_paths import _doc, _resolved
+
+from frforensics.errors import CorruptDumpError, DumpError, UnsafeDumpError
+from frforensics.formats import native
+from frforensics.model import RankTrace, SourceFormat
+from frforensics.testing import JobBuilder
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "native"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_dumps"
+
+scanner = pytest.mark.skipif(native._picklescan is None, reason="C scanner not compiled")
+
+
+def _python_path(data: bytes, **kw: Any) -> RankTrace:
+    doc = native.decode_pickle(data, source="x")
+    return native.to_trace(doc, source="x", fmt=SourceFormat.NATIVE_PICKLE, rank=0, **kw)
+
+
+def _scanned(data: bytes, **kw: Any) -> RankTrace | None:
+    sc = native._picklescan.scan(data)
+    if sc is None:
+        return None
+    assert not isinstance(sc, str), sc
+    return native._trace_from_scan(sc, source="x", rank=0, detail_tail=kw.get("detail_tail"))
+
+
+def _same(a: RankTrace, b: RankTrace) -> None:
+    assert _resolved(a) == _resolved(b)
+    # not only the same values: the same tables, in the same order
+    assert (a.strings, a.stacks, a.groups, a.version, a.rank) == (
+        b.strings, b.stacks, b.groups, b.version, b.rank)
+
+
+def _captured() -> list[bytes]:
+    paths = sorted(DATA.glob("*/pickle/nccl_trace_rank_*")) + sorted(SAMPLES.glob("*/native/*"))
+    return [d for d in (p.read_bytes() for p in paths) if native.looks_like_pickle(d[:2])]
+
+
+@pytest.mark.skipif(platform.python_implementation() != "CPython", reason="built for CPython only")
+def test_scanner_is_compiled_on_cpython() -> None:
+    # setup.py marks the extension optional; on CI's CPython a silent compile
+    # failure would quietly slow every native read, so it is checked here.
+    assert native._picklescan is not None
+    assert native.scanner_available()
+
+
+@scanner
+@pytest.mark.parametrize("tail", [None, 8])
+def test_scanner_reads_real_torch_dumps_like_the_unpickler(tail: int | None) -> None:
+    datas = _captured()
+    assert len(datas) > 20
+    for data in datas:
+        got = _scanned(data, detail_tail=tail)
+        assert got is not None  # real dumps are regular: the fast path takes them all
+        _same(got, _python_path(data, detail_tail=tail))
+
+
+@scanner
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_scanner_reads_builder_dumps_of_every_protocol(protocol: int) -> None:
+    dumps = (JobBuilder(world_size=8, tp=2, pp=2, dp=2, ring_size=120, seed=5).steps(6)
+             .skip(rank=3, group="tp", step=5).build())
+    for r in dumps.native_ranks[:3]:
+        doc = pickle.loads(dumps.native_bytes(r))
+        data = pickle.dumps(doc, protocol=protocol)
+        got = _scanned(data, detail_tail=4)
+        assert got is not None
+        _same(got, _python_path(data, detail_tail=4))
+        assert (got.entries.stack >= 0).all() and (got.entries.in_numel > 0).any()
+
+
+@scanner
+def test_pickle_to_trace_uses_the_scanner_and_can_be_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = pickle.dumps(_doc(), protocol=2)
+    calls: list[bytes] = []
+    real = native.decode_pickle
+    monkeypatch.setattr(native, "decode_pickle", lambda d, **kw: calls.append(d) or real(d, **kw))
+    fast = native.pickle_to_trace(data, source="x", rank=0)
+    assert calls == []
+    monkeypatch.setenv("FRFORENSICS_PICKLE_SCAN", "0")
+    slow = native.pickle_to_trace(data, source="x", rank=0)
+    assert calls == [data]
+    _same(fast, slow)
+
+
+# ---- odd documents: the scanner agrees or gives way --------------------------------
+
+_scalar = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 2**40), st.integers(2**63, 2**70),
+    st.floats(allow_nan=False), st.text(max_size=6), st.binary(max_size=3),
+)
+_value = st.recursive(
+    _scalar,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner, inner),
+        st.dictionaries(st.sampled_from(["name", "filename", "line", "x"]), inner, max_size=3),
+    ),
+    max_leaves=6,
+)
+_shape = st.lists(st.integers(0, 9), max_size=3)
+_FIELDS = sorted(_doc(1)["entries"][0])
+
+
+@st.composite
+def _odd_doc(draw: st.DrawFn) -> dict[str, Any]:
+    doc = _doc(draw(st.integers(0, 4)))
+    for e in doc["entries"]:
+        for _ in range(draw(st.integers(0, 2))):
+            key = draw(st.sampled_from(_FIELDS))
+            if draw(st.booleans()):
+                e.pop(key, None)
+            elif key in ("input_sizes", "output_sizes") and draw(st.booleans()):
+                e[key] = draw(st.one_of(st.lists(_shape, max_size=3), st.tuples(_shape)))
+            else:
+                e[key] = draw(_value)
+    if draw(st.booleans()):
+        doc["pg_config"] = {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}
+    return doc
+
+
+@scanner
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_odd_doc(), protocol=st.integers(2, 5))
+def test_scanner_agrees_with_the_python_readers_on_odd_documents(
+    doc: dict[str, Any], protocol: int
+) -> None:
+    data = pickle.dumps(copy.deepcopy(doc), protocol=protocol)
+    sc = native._picklescan.scan(data)
+    assert not isinstance(sc, str)  # a well-formed stream is never called corrupt
+    try:
+        expected: RankTrace | Exception = _python_path(data)
+    except DumpError as exc:
+        expected = exc
+    if sc is None:
+        return  # gave way: the Python reader answered above
+    assert not isinstance(expected, Exception), f"scanner accepted what Python refuses: {expected}"
+    _same(native._trace_from_scan(sc, source="x", rank=0, detail_tail=None), expected)
+
+
+@scanner
+def test_mutated_dumps_never_read_differently() -> None:
+    """Flipped and cut bytes of real dumps: same trace, give way, or corrupt on both paths."""
+    rng = random.Random(7)
+    datas = _captured()
+    verdicts = {"same": 0, "gave_way": 0, "corrupt": 0}
+    for _ in range(1500):
+        d = bytearray(rng.choice(datas))
+        if rng.random() < 0.3:
+            d = d[: rng.randrange(len(d))]
+        else:
+            for _ in range(rng.randrange(1, 4)):
+                d[rng.randrange(len(d))] = rng.randrange(256)
+        data = bytes(d)
+        sc = native._picklescan.scan(data)
+        if sc is None:
+            verdicts["gave_way"] += 1
+            continue
+        if isinstance(sc, str):
+            verdicts["corrupt"] += 1
+            if "memo index past" in sc:
+                continue  # the unpickler would first allocate gigabytes
+            with pytest.raises(DumpError):
+                _python_path(data)
+            continue
+        verdicts["same"] += 1
+        _same(native._trace_from_scan(sc, source="x", rank=0, detail_tail=None), _python_path(data))
+    assert all(verdicts.values()), verdicts
+
+
+# ---- hostile and broken files ------------------------------------------------------
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (print, ("pwned",))
+
+
+def test_globals_are_refused_through_the_fast_entry_point() -> None:
+    doc = _doc()
+    doc["entries"][1]["state"] = _Evil()
+    with pytest.raises(UnsafeDumpError, match=r"refused unread"):
+        native.pickle_to_trace(pickle.dumps(doc, protocol=2), source="f", rank=0)
+
+
+def test_truncated_pickle_is_one_clear_error() -> None:
+    data = pickle.dumps(_doc(), protocol=2)
+    with pytest.raises(CorruptDumpError, match=r"^f: truncated or corrupt pickle"):
+        native.pickle_to_trace(data[: len(data) // 2], source="f", rank=0)
+
+
+@scanner
+def test_memo_index_past_the_file_is_refused_at_once() -> None:
+    # EMPTY_DICT, LONG_BINPUT 2**31 - 1, STOP: the unpickler would size its memo to it
+    data = b"\x80\x02}r\xff\xff\xff\x7f."
+    with pytest.raises(CorruptDumpError, match="memo index past the size of the file"):
+        native.pickle_to_trace(data, source="f", rank=0)
