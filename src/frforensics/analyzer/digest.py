@@ -103,12 +103,9 @@ class EntryDetail(NamedTuple):
     timeout_ms: int
     thread: str
     frames: tuple[Frame, ...]
-
-    @property
-    def location(self) -> str | None:
-        """``file:line in function`` of the user's call site, if recorded."""
-        frame = user_frame(self.frames)
-        return None if frame is None else str(frame)
+    #: ``file:line in function`` of the user's call site (``user_frame``), if
+    #: recorded; resolved in the worker, once per distinct stack
+    location: str | None = None
 
 
 I8 = npt.NDArray[np.int64]
@@ -195,9 +192,14 @@ class RankDigest:
         return None
 
 
-def _detail(trace: RankTrace, row: int) -> EntryDetail:
+def _detail(trace: RankTrace, row: int, locations: dict[int, str | None]) -> EntryDetail:
     e = trace.entries
     s = trace.string
+    stack = int(e.stack[row])
+    frames = trace.stack(stack)
+    if stack not in locations:
+        frame = user_frame(frames)
+        locations[stack] = None if frame is None else str(frame)
     return EntryDetail(
         row=row,
         record_id=int(e.record_id[row]),
@@ -220,7 +222,8 @@ def _detail(trace: RankTrace, row: int) -> EntryDetail:
         t_complete_ns=int(e.t_complete_ns[row]),
         timeout_ms=int(e.timeout_ms[row]),
         thread=s(int(e.thread[row])),
-        frames=trace.stack(int(e.stack[row])),
+        frames=frames,
+        location=locations[stack],
     )
 
 
@@ -262,7 +265,8 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
 
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(e.state != OpState.COMPLETED).tolist())
-    details = {row: _detail(trace, row) for row in sorted(keep)}
+    locations: dict[int, str | None] = {}
+    details = {row: _detail(trace, row, locations) for row in sorted(keep)}
     return RankDigest(
         rank=rank,
         rank_from=trace.rank_from,
