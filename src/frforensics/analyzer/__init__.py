@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from frforensics.analyzer.context import AnalyzeOptions, Context
 from frforensics.analyzer.detectors import DETECTORS
-from frforensics.analyzer.load import DumpSet, load_dumps
+from frforensics.analyzer.load import DumpSet, gc_paused, load_dumps
 from frforensics.analyzer.merge import build_job
 from frforensics.analyzer.waits import build_wait_graph
 from frforensics.model import OpState
@@ -43,7 +43,13 @@ _KIND_ORDER = [
 
 def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
     """Analyze a loaded :class:`DumpSet` and return the :class:`Report`."""
-    options = options or AnalyzeOptions()
+    # the digests are millions of long-lived objects at scale: a collection
+    # rescans them all (20 % of the analysis at 4096 ranks); no cycles are made
+    with gc_paused():
+        return _analyze(dumps, options or AnalyzeOptions())
+
+
+def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     if not dumps.digests:
         return Report(
             world_size=options.world_size,

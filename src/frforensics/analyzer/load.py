@@ -208,13 +208,13 @@ def _strip_label(message: str, label: str) -> str:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while one dump is decoded and digested.
+    """Pause the cyclic garbage collector (restored on exit; nests).
 
-    A decoded native pickle is ~100,000 containers; with the collector on, every
-    700 allocations made while it is alive would rescan it (and promote it to the
-    older generations, rescanned in turn), which costs as much as decoding.
-    Dumps hold no reference cycles: reference counting frees them, and the
-    allocation count is back down when the collector resumes.
+    A decoded native pickle is ~100,000 containers, and a loaded job's digests
+    millions of long-lived objects; with the collector on, every 700 allocations
+    would rescan the young ones and now and then all of them, which costs as much
+    as the work itself. Dumps and digests hold no reference cycles: reference
+    counting frees them, and the collector runs again when the pause ends.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -245,7 +245,10 @@ def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int) -> lis
 def _executor(jobs: int) -> Executor:
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx)
+    # forked from a process whose collector is paused (load_dumps): workers turn
+    # it back on, and pause it per dump themselves, so garbage with cycles is
+    # still collected between dumps
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=gc.enable)
 
 
 def load_dumps(
@@ -261,6 +264,21 @@ def load_dumps(
     ``jobs`` worker processes decode in parallel (default: the machine's cores);
     ``progress(done, total)`` is called as files finish.
     """
+    # The collector stays off for the whole load: digests arriving from the
+    # workers are hundreds of thousands of long-lived objects, and every
+    # collection would rescan all of them (nothing here makes reference cycles).
+    with gc_paused():
+        return _load(paths, prefix=prefix, jobs=jobs, tail=tail, progress=progress)
+
+
+def _load(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    prefix: str | None,
+    jobs: int | None,
+    tail: int,
+    progress: Callable[[int, int], None] | None,
+) -> DumpSet:
     sources, problems = discover(paths)
     result = DumpSet(problems=problems)
     total = len(sources)
@@ -268,8 +286,7 @@ def load_dumps(
     outcomes: list[_Outcome] = []
     if jobs == 1 or total < 8:
         for i, source in enumerate(sources):
-            with gc_paused():
-                outcomes.append(_decode_one(source, prefix, tail))
+            outcomes.append(_decode_one(source, prefix, tail))
             if progress:
                 progress(i + 1, total)
     else:

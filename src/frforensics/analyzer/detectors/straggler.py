@@ -210,89 +210,159 @@ def _member_layout(seg: I8, col: I8, counts: I8) -> _Layout | None:
     return layout
 
 
+class _Gathered:
+    """Every rank's collectives, one row each, concatenated rank after rank.
+
+    Rows are the entries of non-p2p ops on a known group with an enqueue time,
+    the first of each (rank, group, seq) only (a coalesced unit is one row), in
+    record order within a rank. Computed for all ranks at once: a Python loop per
+    rank cost ~0.6 ms per rank (18 s at 16,384 ranks).
+    """
+
+    def __init__(self, ctx: Context, ranks: list[int]) -> None:
+        job = ctx.job
+        digests = [job.digests[r] for r in ranks]
+        sizes = np.array([len(d) for d in digests], dtype=np.int64)
+        self.max_seq = max([int(d.seq.max()) + 2 for d in digests if len(d)] + [1])
+        self.resolution = max([d.completion_resolution_ns for d in digests if len(d)] + [0])
+        # per rank: local group index -> global group id and the rank's member index
+        luts: list[list[int]] = []
+        cols: list[list[int]] = []
+        canons: list[list[int]] = []  # a number per global group within the rank
+        members = [{r: i for i, r in enumerate(g.ranks)} for g in job.groups]
+        for rank, d in zip(ranks, digests, strict=True):
+            lut = [job.group_of.get((rank, i), -1) for i in range(len(d.groups))]
+            luts.append([*lut, -1])
+            cols.append([members[g].get(rank, -1) if g >= 0 else -1 for g in lut] + [-1])
+            canons.append([lut.index(g) for g in lut] + [len(lut)])
+        n_local = np.array([len(lut) - 1 for lut in luts], dtype=np.int64)
+        base = np.zeros(len(ranks), dtype=np.int64)
+        np.cumsum(n_local[:-1] + 1, out=base[1:])
+        lut_cat = np.array([g for lut in luts for g in lut], dtype=np.int64)
+        col_cat = np.array([c for col in cols for c in col], dtype=np.int32)
+        canon_cat = np.array([c for canon in canons for c in canon], dtype=np.int64)
+
+        def cat(name: str) -> npt.NDArray[Any]:
+            return np.concatenate([getattr(d, name) for d in digests])
+
+        at = np.repeat(np.arange(len(ranks), dtype=np.int64), sizes)
+        group = cat("group").astype(np.int64)
+        local = np.where((group >= 0) & (group < n_local[at]), group, n_local[at]) + base[at]
+        gid = lut_cat[local]
+        t_complete = cat("t_complete_ns")
+        t_enqueue = cat("t_enqueue_ns")
+        done = (cat("state") >= OpState.COMPLETED) & (t_complete > 0)
+        comp = np.where(done, t_complete, 0).astype(np.float64)
+        comp[~done] = np.nan
+        rel = np.fmin(_release(at, t_complete, done, sizes), t_enqueue.astype(np.float64))
+
+        rows = np.flatnonzero((cat("is_p2p") == 0) & (gid >= 0) & (t_enqueue > 0))
+        seq = cat("seq")[rows].astype(np.int64)
+        at_r, gid_r = at[rows], gid[rows]
+        key = gid_r * self.max_seq + seq
+        col = col_cat[local[rows]]
+        # first row of each (rank, key); ranks with a negative seq: keys of two
+        # groups may collide there, so they are deduplicated as one (and the
+        # dense numbering of collectives is off)
+        neg = np.zeros(len(ranks), dtype=np.bool_)
+        neg[at_r[seq < 0]] = True
+        self.dense_ok = not neg.any()
+        first = _first_of_each(at_r, canon_cat[local[rows]], key)
+        for a in np.flatnonzero(neg).tolist():
+            mine = np.flatnonzero(at_r == a)
+            f = np.zeros(len(mine), dtype=np.bool_)
+            f[np.unique(key[mine], return_index=True)[1]] = True
+            first[mine] = f
+            col[mine] = -1
+        # seq range per group (over ranks without negative seqs), for dense numbering
+        ok = ~neg[at_r]
+        n_groups = len(job.groups)
+        lo = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
+        hi = np.full(n_groups, np.iinfo(np.int64).min, dtype=np.int64)
+        np.minimum.at(lo, gid_r[ok], seq[ok])
+        np.maximum.at(hi, gid_r[ok], seq[ok])
+        present = np.flatnonzero(hi >= lo)
+        self.lo = dict(zip(present.tolist(), lo[present].tolist(), strict=True))
+        self.hi = dict(zip(present.tolist(), hi[present].tolist(), strict=True))
+
+        rows, at_r = rows[first], at_r[first]
+        per_rank = np.bincount(at_r, minlength=len(ranks))
+        self.at_list: list[int] = np.flatnonzero(per_rank).tolist()
+        self.lengths: list[int] = per_rank[self.at_list].tolist()
+        self.cat = {
+            "key": key[first], "enq": t_enqueue[rows].astype(np.float64), "comp": comp[rows],
+            "rel": rel[rows], "op": cat("op_hash")[rows], "gid": gid_r[first].astype(np.int32),
+            "col": col[first],
+        }
+        self.op_names: dict[int, str] = {}
+        for a in self.at_list:
+            self.op_names.update(digests[a].op_names)
+
+
+def _release(at: I8, t_complete: I8, done: BOOL, sizes: I8) -> F8:
+    """Latest completion among each row's earlier entries on its rank (NaN: none)."""
+    out = np.full(len(at), np.nan)
+    if not done.any():
+        return out
+    t0 = int(t_complete[done].min())
+    span = int(t_complete[done].max()) - t0 + 2
+    if span * (len(sizes) + 1) >= 1 << 62:  # offsets would overflow: rank by rank
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+            c = np.where(done[lo:hi], t_complete[lo:hi], 0).astype(np.float64)
+            c[~done[lo:hi]] = np.nan
+            out[lo:hi] = np.fmax.accumulate(np.concatenate(([np.nan], c[:-1])))
+        return out
+    # one running max over all ranks: rank a's values are lifted by a * span, so
+    # no earlier rank's value can win; not-completed entries count as -1
+    lifted = np.where(done, t_complete - t0, -1) + at * span
+    running = np.maximum.accumulate(lifted)
+    prev = np.empty_like(running)
+    prev[1:] = running[:-1]
+    prev[0] = -1
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    prev[starts[sizes > 0]] = at[starts[sizes > 0]] * span - 1  # nothing before a rank's first
+    prev -= at * span
+    has = prev >= 0
+    out[has] = (prev[has] + t0).astype(np.float64)
+    return out
+
+
+def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
+    """First row of each (rank, key), rows being in rank order and record order within.
+
+    ``canon`` numbers a row's group within its rank (one number per global
+    group). A group's seqs normally never decrease on a rank, so the first of
+    each key is where the key changes from the previous row of the same (rank,
+    group); a (rank, group) whose keys ever decrease is deduplicated with a sort.
+    """
+    first = np.ones(len(key), dtype=np.bool_)
+    for j in np.unique(canon).tolist():
+        idx = np.flatnonzero(canon == j)  # group j of every rank, rank after rank
+        if len(idx) < 2:
+            continue
+        k, a = key[idx], at[idx]
+        same_rank = a[1:] == a[:-1]
+        first[idx[1:]] = ~same_rank | (k[1:] != k[:-1])
+        for bad in np.unique(a[1:][same_rank & (k[1:] < k[:-1])]).tolist():
+            mine = idx[a == bad]
+            f = np.zeros(len(mine), dtype=np.bool_)
+            f[np.unique(key[mine], return_index=True)[1]] = True
+            first[mine] = f
+    return first
+
+
 def _collect(ctx: Context) -> _Rows | None:
     job = ctx.job
     ranks = sorted(job.digests)
     if len(ranks) < 2:
         return None
     gsize = np.array([len(g.ranks) for g in job.groups] + [0], dtype=np.int64)
-    members = [{r: i for i, r in enumerate(g.ranks)} for g in job.groups]
-    parts: dict[str, list[npt.NDArray[Any]]] = {
-        k: [] for k in ("key", "enq", "comp", "rel", "op", "gid", "col")}
-    op_names: dict[int, str] = {}
-    max_seq = 1
-    for d in job.digests.values():
-        if len(d):
-            max_seq = max(max_seq, int(d.seq.max()) + 2)
-    resolution = 0
-    lo: dict[int, int] = {}  # seq range per group, for dense collective numbering
-    hi: dict[int, int] = {}
-    dense_ok = True
-    lengths: list[int] = []
-    at_list: list[int] = []
-    for at, rank in enumerate(ranks):
-        d = job.digests[rank]
-        if not len(d):
-            continue
-        resolution = max(resolution, d.completion_resolution_ns)
-        lut = np.array([job.group_of.get((rank, i), -1) for i in range(len(d.groups))] + [-1],
-                       dtype=np.int64)
-        local = np.where((d.group >= 0) & (d.group < len(d.groups)), d.group, len(d.groups))
-        gid = lut[local]
-        comp = np.where(d.state >= OpState.COMPLETED, d.t_complete_ns, 0).astype(np.float64)
-        comp[comp <= 0] = np.nan
-        # release: the latest completion among earlier entries, never after this enqueue
-        prev_max = np.fmax.accumulate(np.concatenate(([np.nan], comp[:-1])))
-        enq = d.t_enqueue_ns.astype(np.float64)
-        rel = np.fmin(prev_max, enq)
-        rows = np.flatnonzero((d.is_p2p == 0) & (gid >= 0) & (d.t_enqueue_ns > 0))
-        if len(rows) == 0:
-            continue
-        g_rows = gid[rows]
-        seq = d.seq[rows].astype(np.int64)
-        key = g_rows * max_seq + seq
-        col = np.full(len(rows), -1, dtype=np.int32)
-        if seq.min() < 0:  # keys of different groups may collide: dedup them as one
-            dense_ok = False
-            _, first_idx = np.unique(key, return_index=True)
-            first = np.zeros(len(rows), dtype=np.bool_)
-            first[first_idx] = True
-        else:
-            # coalesced: one row per unit, the first; a group's seqs normally never decrease
-            first = np.ones(len(rows), dtype=np.bool_)
-            for g in {int(x) for x in lut[:-1]} - {-1}:
-                mask = g_rows == g
-                k = key[mask]
-                if len(k) == 0:
-                    continue
-                if (k[1:] >= k[:-1]).all():
-                    f = np.ones(len(k), dtype=np.bool_)
-                    f[1:] = k[1:] != k[:-1]
-                    s_lo, s_hi = int(k[0]), int(k[-1])
-                else:
-                    _, first_idx = np.unique(k, return_index=True)
-                    f = np.zeros(len(k), dtype=np.bool_)
-                    f[first_idx] = True
-                    s_lo, s_hi = int(k.min()), int(k.max())
-                first[mask] = f
-                col[mask] = members[g].get(rank, -1)
-                s_lo, s_hi = s_lo - g * max_seq, s_hi - g * max_seq
-                lo[g] = min(lo.get(g, s_lo), s_lo)
-                hi[g] = max(hi.get(g, s_hi), s_hi)
-        rows = rows[first]
-        lengths.append(len(rows))
-        at_list.append(at)
-        parts["key"].append(key[first])
-        parts["enq"].append(enq[rows])
-        parts["comp"].append(comp[rows])
-        parts["rel"].append(rel[rows])
-        parts["op"].append(d.op_hash[rows])
-        parts["gid"].append(g_rows[first].astype(np.int32))
-        parts["col"].append(col[first])
-        op_names.update(d.op_names)
-    if not parts["key"]:
+    g = _Gathered(ctx, ranks)
+    if not g.at_list:
         return None
-    cat = {k: np.concatenate(v) for k, v in parts.items()}
+    cat, lo, hi, max_seq, dense_ok = g.cat, g.lo, g.hi, g.max_seq, g.dense_ok
+    lengths, at_list, op_names, resolution = g.lengths, g.at_list, g.op_names, g.resolution
     key, gid = cat["key"], cat["gid"]
 
     gids = sorted(lo)
