@@ -1088,6 +1088,9 @@ static int vec_take(Vec *v, Vec *kept, Py_ssize_t size, Py_ssize_t cap) {
 }
 
 static void vec_keep(Vec *v, Vec *kept) {
+#ifdef Py_GIL_DISABLED
+    return; /* free-threaded build: two scans may run at once */
+#endif
     if (v->p != NULL && v->cap * v->size <= KEEP_BYTES && kept->p == NULL) {
         *kept = *v;
         v->p = NULL;
