@@ -122,3 +122,22 @@ def test_segment_medians_match_a_plain_sort_with_nans_and_uneven_sizes(layout: s
         v = np.sort(values[(seg == s) & ~np.isnan(values)])
         want = v[len(v) // 2 if upper else (len(v) - 1) // 2] if len(v) else np.nan
         assert got[s] == want or (np.isnan(got[s]) and np.isnan(want))
+
+
+def test_only_each_ranks_recent_window_is_judged(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 steps fill ~1900 entries per rank; the rank turns slow for the last 3 steps
+    dumps = job(8, seed=21).straggler(rank=6, delay_ms=15.0, from_step=17).build()
+    report = analyze_dumps(dumps, "frdump")
+    assert report.culprit_ranks == (6,)
+    total = report.findings[0].evidence["collectives"]
+    from frforensics.analyzer.detectors import straggler
+
+    assert total <= straggler.WINDOW
+    # a window of 2 entries holds too few collectives to blame anyone (3 needed);
+    # the whole ring holds more collectives than the default window
+    monkeypatch.setattr(straggler, "WINDOW", 2)
+    assert analyze_dumps(dumps, "frdump").culprit_ranks == ()
+    monkeypatch.setattr(straggler, "WINDOW", 10**6)
+    whole = analyze_dumps(dumps, "frdump")
+    assert whole.culprit_ranks == (6,)
+    assert whole.findings[0].evidence["collectives"] > total
