@@ -8,9 +8,10 @@ Never imports torch.
 
 from __future__ import annotations
 
+from frforensics._gc import gc_paused
 from frforensics.analyzer.context import AnalyzeOptions, Context
 from frforensics.analyzer.detectors import DETECTORS
-from frforensics.analyzer.load import DumpSet, gc_paused, load_dumps
+from frforensics.analyzer.load import DumpSet, load_dumps
 from frforensics.analyzer.merge import build_job
 from frforensics.analyzer.waits import build_wait_graph
 from frforensics.model import OpState

@@ -13,7 +13,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from frforensics.analyzer.load import DumpSource, _executor, discover, gc_paused, rank_from_name
+from frforensics._gc import gc_paused
+from frforensics.analyzer.load import DumpSource, _executor, discover, rank_from_name
 from frforensics.errors import DumpError
 from frforensics.formats import decode_dump, frdump, sniff_format
 

@@ -15,7 +15,6 @@ still analyzed.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import multiprocessing
 import os
@@ -28,13 +27,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
+from frforensics._gc import gc_paused
 from frforensics.analyzer.digest import DEFAULT_TAIL, RankDigest, digest
 from frforensics.errors import DumpError, NotADumpError, UsageError
 from frforensics.formats import decode_dump, native, sniff_format
 from frforensics.model import GroupInfo, RankTrace, SourceFormat
 from frforensics.report import LoadProblem
 
-__all__ = ["DumpSet", "DumpSource", "discover", "gc_paused", "load_dumps", "rank_from_name"]
+__all__ = ["DumpSet", "DumpSource", "discover", "load_dumps", "rank_from_name"]
 
 MAX_DUMP_BYTES: Final = 4 << 30
 _TRAILING_INT: Final = re.compile(r"(\d+)(?:\.[A-Za-z][A-Za-z0-9]*)*$")
@@ -204,25 +204,6 @@ def _decode_for_digest(data: bytes, *, source: str, rank_hint: int | None, tail:
 
 def _strip_label(message: str, label: str) -> str:
     return message[len(label) + 2:] if message.startswith(label + ": ") else message
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (restored on exit; nests).
-
-    A decoded native pickle is ~100,000 containers, and a loaded job's digests
-    millions of long-lived objects; with the collector on, every 700 allocations
-    would rescan the young ones and now and then all of them, which costs as much
-    as the work itself. Dumps and digests hold no reference cycles: reference
-    counting frees them, and the collector runs again when the pause ends.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int) -> list[_Outcome]:

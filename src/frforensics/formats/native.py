@@ -25,8 +25,6 @@ global (so no ``REDUCE``/``BUILD`` can reach code) and every persistent id. Olde
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import json
 import math
@@ -41,6 +39,7 @@ from typing import Any, Final, NamedTuple, NoReturn
 
 import numpy as np
 
+from frforensics._gc import gc_paused
 from frforensics.errors import CorruptDumpError, NotADumpError, UnsafeDumpError
 from frforensics.model import (
     NO_INDEX,
@@ -114,24 +113,6 @@ class NoGlobalsUnpickler(pickle.Unpickler):
         raise UnsafeDumpError("pickle uses persistent ids: refused unread")
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (restored on exit).
-
-    Unpickling a dump allocates ~100,000 containers; each 700 allocations the
-    collector would scan the young ones, and now and then the whole heap, which
-    doubles the cost of ``pickle.loads``. Dumps hold no reference cycles, so
-    reference counting frees them without the collector.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def decode_pickle(data: bytes, *, source: str = "<bytes>") -> Any:
     """Decode a native pickle dump with :class:`NoGlobalsUnpickler`."""
     # A BufferedReader can be peeked, so the C unpickler reads it in large chunks;
@@ -139,7 +120,7 @@ def decode_pickle(data: bytes, *, source: str = "<bytes>") -> Any:
     # four times slower than the decoding itself.
     stream = io.BufferedReader(io.BytesIO(data), buffer_size=1 << 16)
     try:
-        with _gc_paused():
+        with gc_paused():
             return NoGlobalsUnpickler(stream).load()
     except UnsafeDumpError as exc:
         raise UnsafeDumpError(f"{source}: {exc}") from None
@@ -154,7 +135,7 @@ def decode_pickle(data: bytes, *, source: str = "<bytes>") -> Any:
 def decode_json(data: bytes, *, source: str = "<bytes>") -> Any:
     """Decode a native JSON dump."""
     try:
-        with _gc_paused():
+        with gc_paused():
             return json.loads(data)
     except RecursionError:
         raise CorruptDumpError(f"{source}: JSON nests too deeply") from None
