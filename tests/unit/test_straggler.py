@@ -141,3 +141,26 @@ def test_only_each_ranks_recent_window_is_judged(monkeypatch: pytest.MonkeyPatch
     whole = analyze_dumps(dumps, "frdump")
     assert whole.culprit_ranks == (6,)
     assert whole.findings[0].evidence["collectives"] > total
+
+
+@pytest.mark.parametrize("span_ns", [10**9, 2**61], ids=["lifted", "rank-by-rank"])
+def test_release_times_match_a_per_rank_running_max(span_ns: int) -> None:
+    """The all-ranks running max, and its rank-by-rank fallback past int64 offsets."""
+    import numpy as np
+
+    from frforensics.analyzer.detectors.straggler import _release
+
+    rng = np.random.default_rng(3)
+    sizes = np.array([5, 0, 7, 1, 4], dtype=np.int64)  # an empty rank in the middle
+    at = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+    t_complete = rng.integers(1, span_ns, size=len(at), dtype=np.int64)
+    done = rng.random(len(at)) < 0.6
+    comp = np.where(done, t_complete, 0).astype(np.float64)
+    comp[~done] = np.nan
+    want = np.full(len(at), np.nan)
+    for i in range(len(at)):
+        earlier = [t_complete[j] for j in range(i) if at[j] == at[i] and done[j]]
+        if earlier:
+            want[i] = float(max(earlier))
+    got = _release(at, t_complete, done, comp, sizes)
+    assert np.array_equal(got, want, equal_nan=True)
