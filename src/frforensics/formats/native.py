@@ -351,6 +351,12 @@ def _bulk_int(column: Sequence[Any], *, none_is_zero: bool) -> np.ndarray:
     return out
 
 
+def _mark_finished(state: np.ndarray, retired: np.ndarray, t_complete: np.ndarray) -> None:
+    """Entries that are retired or have a completion time count as completed,
+    whatever their ``state`` says (one rule for all three column readers)."""
+    state[retired | (t_complete != 0)] = OpState.COMPLETED
+
+
 def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
     """Column-at-a-time reader for uniform documents (every entry has every key).
 
@@ -384,7 +390,7 @@ def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
     if None in seq_ids:
         raise _Irregular  # older dumps: seq_id fallback
     t_complete = _bulk_int(col["time_discovered_completed_ns"], none_is_zero=True)
-    state[retired | (t_complete != 0)] = OpState.COMPLETED
+    _mark_finished(state, retired, t_complete)
     return _Columns(
         pg=pg,
         op_kind=op_kind,
@@ -440,7 +446,7 @@ def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str) 
         return _int_list(values, key, source)
 
     t_complete = col("time_discovered_completed_ns")
-    state[retired | (t_complete != 0)] = OpState.COMPLETED
+    _mark_finished(state, retired, t_complete)
     return _Columns(
         pg=pg,
         op_kind=op_kind,
@@ -803,7 +809,7 @@ def _trace_from_scan(
     in_dtypes = _first_seen(col("in_dtypes", np.int32), lambda s: ctx.strings[strings[s]], np.int32)
     state = _first_seen(col("state", np.int32), lambda s: _state_of(strings[s]), np.uint8)
     t_complete = col("t_complete", np.int64)
-    state[col("retired", np.bool_) | (t_complete != 0)] = OpState.COMPLETED
+    _mark_finished(state, col("retired", np.bool_), t_complete)
     cols = _Columns(
         pg=pg,
         op_kind=op_kind,
