@@ -1,0 +1,561 @@
+"""Digests on the wire: a compact, pickle-free encoding of batches of :class:`RankDigest`.
+
+When digests are computed on the hosts that hold the dumps (``fr-analyze
+--dask``), they cross the network to the central process. A pickled digest of a
+2000-entry ring is ~180 KiB (24 KiB after zlib); this encoding brings it to a
+few KiB (docs/scaling.md has the measurements) and decodes to an *identical*
+``RankDigest`` (``tests/unit/test_wire.py`` checks equality field by field).
+
+How, per batch of digests (one host's batch):
+
+* **Columns** (every numpy field of the digest, whatever its name, so a field
+  added to ``RankDigest`` later travels without changing this module): each
+  integer column is stored in the cheapest of three forms, judged by bytes
+  before compression: its values narrowed to the smallest integer type that
+  holds them (an int64 ``seq`` of a 2000-entry ring fits int16), the
+  differences between consecutive rows narrowed the same way (sequence numbers
+  and timestamps are nearly arithmetic: their steps fit 1–4 bytes, and the first
+  value is then stored relative to the dump time for time columns), or a small
+  dictionary of distinct values with one-byte indices (op and dtype hashes,
+  call sites, states). Multi-byte values are byte-shuffled (all low bytes, then
+  the next...) so that the compressor sees runs.
+* **Group membership once per batch**: every distinct ``GroupInfo`` goes into a
+  batch-wide table and a digest refers to its groups by index; members that form
+  an arithmetic progression (the default group, DP groups) are sent as
+  ``start, step, count``.
+* **Stacks once per batch**: frames and stacks (of the kept entry details, the
+  threads, the death record) are tables shared by the whole batch; a stack is a
+  list of frame indices, a frame indices into one string table.
+* **Details as columns**: the kept :class:`EntryDetail` records (the tail and
+  the unfinished entries) are stored field by field, strings as indices into the
+  batch's string table.
+* everything else (scalars, small tuples) is msgpack, and the whole batch is
+  compressed with zlib (or lzma, slower but smaller).
+
+Decoding never runs code from the data: msgpack, ``numpy.frombuffer`` and
+constructors of a fixed set of types. A malformed payload raises
+:class:`WireError`. :class:`WireCache` makes equal groups and stacks of every
+batch one object in the central process, as the local loader does per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import lzma
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from frforensics.analyzer.digest import EntryDetail, RankDigest
+from frforensics.errors import FrForensicsError
+from frforensics.model import DeathInfo, Frame, GroupInfo, OpState, PeerHeartbeat, ThreadStack
+
+__all__ = ["WireCache", "WireError", "decode_batch", "encode_batch"]
+
+_MAGIC: Final = b"FRW1"
+_ZLIB: Final = b"z"
+_LZMA: Final = b"x"
+
+# columns whose first value is stored relative to the dump time
+_TIME_COLUMNS: Final = frozenset({"t_enqueue_ns", "t_complete_ns", "t_start_ns"})
+
+# forms of a stored integer column
+_RAW: Final = 0
+_DELTA: Final = 1
+_DICT: Final = 2
+
+_INT_TYPES: Final = (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                     np.uint64)
+
+# msgpack extension codes for the non-builtin values of a digest
+_EXT_FRAME: Final = 1
+_EXT_STACK: Final = 2
+_EXT_GROUP: Final = 3
+_EXT_THREAD: Final = 4
+_EXT_PEER: Final = 5
+_EXT_DEATH: Final = 6
+_EXT_STATE: Final = 7
+
+_DATACLASSES: Final[dict[type, int]] = {ThreadStack: _EXT_THREAD, PeerHeartbeat: _EXT_PEER,
+                                        DeathInfo: _EXT_DEATH}
+_BY_CODE: Final[dict[int, type]] = {code: cls for cls, code in _DATACLASSES.items()}
+
+_DIGEST_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RankDigest))
+
+
+class WireError(FrForensicsError):
+    """A wire payload that this version cannot decode (corrupt, or another version)."""
+
+
+# ------------------------------------------------------------------ columns
+
+
+_RANGES: Final = tuple((int(np.iinfo(t).min), int(np.iinfo(t).max), np.dtype(t)) for t in _INT_TYPES)
+
+
+def _narrow(lo: int, hi: int) -> np.dtype[Any]:
+    for tmin, tmax, dtype in _RANGES:
+        if tmin <= lo and hi <= tmax:
+            return dtype
+    raise WireError(f"integer range {lo}..{hi} does not fit 64 bits")
+
+
+def _shuffle(a: npt.NDArray[Any]) -> bytes:
+    if a.dtype.itemsize == 1 or a.size == 0:
+        return a.tobytes()
+    return a.view(np.uint8).reshape(-1, a.dtype.itemsize).T.tobytes()
+
+
+def _unshuffle(data: bytes | memoryview, dtype: np.dtype[Any], n: int) -> npt.NDArray[Any]:
+    size = dtype.itemsize
+    if len(data) != n * size:
+        raise WireError("column length does not match its header")
+    raw = np.frombuffer(data, dtype=np.uint8)
+    if size == 1:
+        return raw.view(dtype).copy()
+    if not n:
+        return np.empty(0, dtype=dtype)
+    return np.ascontiguousarray(raw.reshape(size, n).T).view(dtype).reshape(n)
+
+
+class _Blob:
+    """Column bytes of a batch, appended in order; specs say where each column lies."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, data: bytes) -> tuple[int, int]:
+        self.parts.append(data)
+        self.size += len(data)
+        return self.size - len(data), len(data)
+
+
+def _put_column(blob: _Blob, a: npt.NDArray[Any], *, base: int = 0) -> list[Any]:
+    """Store column ``a``; returns its spec ``[dtype, n, form, stored dtype, off, len, extra]``."""
+    if a.ndim != 1:
+        raise WireError(f"only one-dimensional columns travel (got shape {a.shape})")
+    kind = a.dtype.kind
+    n = int(a.shape[0])
+    if kind not in "iub" or n == 0:
+        off, ln = blob.add(np.ascontiguousarray(a).tobytes())
+        return [a.dtype.str, n, _RAW, a.dtype.str, off, ln, None]
+    x = a.astype(np.int64) if a.dtype != np.uint64 else a
+    lo, hi = int(x.min()), int(x.max())
+    best_form, best_dtype, best_size = _RAW, _narrow(lo, hi), 0
+    best_size = best_dtype.itemsize * n
+    diff: npt.NDArray[Any] | None = None
+    if n > 1 and a.dtype != np.uint64 and best_dtype.itemsize > 1:
+        diff = np.diff(x)
+        ddt = _narrow(int(diff.min()), int(diff.max()))
+        if ddt.itemsize * n < best_size:
+            best_form, best_dtype, best_size = _DELTA, ddt, ddt.itemsize * n
+    values: npt.NDArray[Any] | None = None
+    inverse: npt.NDArray[Any] | None = None
+    # a dictionary pays for hashes and sizes (4 bytes narrowed, a handful of
+    # distinct values); short columns compress as well without one
+    if best_dtype.itemsize >= 4 and n >= 64:
+        values = np.unique(x)
+        if len(values) <= 256:
+            inverse = np.searchsorted(values, x)
+            vdt = _narrow(int(values[0]), int(values[-1]))
+            size = n + vdt.itemsize * len(values)
+            if size < best_size:
+                best_form, best_dtype, best_size = _DICT, np.dtype(np.uint8), size
+    if best_form == _RAW:
+        off, ln = blob.add(_shuffle(x.astype(best_dtype)))
+        return [a.dtype.str, n, _RAW, best_dtype.str, off, ln, None]
+    if best_form == _DELTA:
+        assert diff is not None
+        off, ln = blob.add(_shuffle(diff.astype(best_dtype)))
+        return [a.dtype.str, n, _DELTA, best_dtype.str, off, ln, int(x[0]) - base]
+    assert values is not None and inverse is not None
+    vdt = _narrow(int(values[0]), int(values[-1]))
+    off, ln = blob.add(inverse.astype(np.uint8).tobytes())
+    table_off, table_len = blob.add(_shuffle(values.astype(vdt)))
+    return [a.dtype.str, n, _DICT, vdt.str, off, ln, [len(values), table_off, table_len]]
+
+
+_DTYPES: Final = {np.dtype(t).str: np.dtype(t)
+                  for t in (*_INT_TYPES, np.bool_, np.float32, np.float64)}
+
+
+def _get_column(blob: memoryview, spec: Sequence[Any], *, base: int = 0) -> npt.NDArray[Any]:
+    try:
+        dtype_s, n, form, stored_s, off, ln, extra = spec
+        dtype, stored = _DTYPES[dtype_s], _DTYPES[stored_s]
+    except (TypeError, ValueError, KeyError) as exc:
+        raise WireError(f"bad column spec: {exc!r}") from None
+    if type(n) is not int or n < 0 or not 0 <= off <= off + ln <= len(blob):
+        raise WireError("bad column spec")
+    data = blob[off:off + ln]
+    if form == _RAW:
+        if dtype.kind == "f":
+            if len(data) != n * dtype.itemsize or stored != dtype:
+                raise WireError("bad float column")
+            return np.frombuffer(data, dtype=dtype).copy()
+        return _unshuffle(data, stored, n).astype(dtype, copy=False)
+    if form == _DELTA:
+        if n < 2:
+            raise WireError("bad delta column")
+        steps = _unshuffle(data, stored, n - 1)
+        out = np.empty(n, dtype=np.int64)
+        out[0] = int(extra) + base
+        np.cumsum(steps, out=out[1:])
+        out[1:] += out[0]
+        return out.astype(dtype, copy=False)
+    if form == _DICT:
+        k, table_off, table_len = extra
+        if not 0 <= table_off <= table_off + table_len <= len(blob):
+            raise WireError("bad dictionary column")
+        table = _unshuffle(blob[table_off:table_off + table_len], stored, k).astype(dtype)
+        idx = np.frombuffer(data, dtype=np.uint8)
+        if len(idx) != n or (n and int(idx.max()) >= k):
+            raise WireError("bad dictionary column")
+        return table[idx]
+    raise WireError(f"unknown column form {form!r}")
+
+
+# ------------------------------------------------------------------ tables
+
+
+class _Tables:
+    """Strings, frames, stacks and groups of one batch, each stored once."""
+
+    def __init__(self) -> None:
+        self.strings: dict[str, int] = {}
+        self.frames: dict[Frame, int] = {}
+        self.frame_rows: list[tuple[int, int, int]] = []
+        self.stacks: dict[tuple[Frame, ...], int] = {}
+        self.stack_rows: list[tuple[int, ...]] = []
+        # a digest's details share their stack tuples: look them up by identity
+        # first (hashing a tuple of frames hashes every frame), keeping them alive
+        self.stack_ids: dict[int, tuple[int, tuple[Frame, ...]]] = {}
+        self.groups: dict[GroupInfo, int] = {}
+
+    def string(self, s: str) -> int:
+        i = self.strings.get(s)
+        if i is None:
+            i = self.strings[s] = len(self.strings)
+        return i
+
+    def frame(self, f: Frame) -> int:
+        i = self.frames.get(f)
+        if i is None:
+            i = self.frames[f] = len(self.frames)
+            self.frame_rows.append((self.string(f.file), f.line, self.string(f.name)))
+        return i
+
+    def stack(self, frames: tuple[Frame, ...]) -> int:
+        hit = self.stack_ids.get(id(frames))
+        if hit is not None:
+            return hit[0]
+        i = self._stack(frames)
+        self.stack_ids[id(frames)] = (i, frames)
+        return i
+
+    def _stack(self, frames: tuple[Frame, ...]) -> int:
+        i = self.stacks.get(frames)
+        if i is None:
+            i = self.stacks[frames] = len(self.stacks)
+            self.stack_rows.append(tuple(self.frame(f) for f in frames))
+        return i
+
+    def group(self, g: GroupInfo) -> int:
+        i = self.groups.get(g)
+        if i is None:
+            i = self.groups[g] = len(self.groups)
+        return i
+
+
+def _members(ranks: tuple[int, ...] | None) -> Any:
+    """Group members: ``None``, ``[start, step, count]`` if arithmetic, else int32 bytes."""
+    if ranks is None:
+        return None
+    n = len(ranks)
+    if n >= 2:
+        step = ranks[1] - ranks[0]
+        if step != 0 and all(ranks[i + 1] - ranks[i] == step for i in range(n - 1)):
+            return [ranks[0], step, n]
+    elif n == 1:
+        return [ranks[0], 1, 1]
+    a = np.asarray(ranks, dtype=np.int64)
+    if n and (a.min() < -(2**31) or a.max() >= 2**31):
+        return a.tolist()
+    return a.astype("<i4").tobytes()
+
+
+def _members_back(x: Any) -> tuple[int, ...] | None:
+    if x is None:
+        return None
+    if isinstance(x, bytes):
+        if len(x) % 4:
+            raise WireError("bad group members")
+        return tuple(np.frombuffer(x, dtype="<i4").tolist())
+    if isinstance(x, (list, tuple)) and len(x) == 3 and all(type(v) is int for v in x):
+        start, step, n = x
+        if n <= 0 and n != 0:
+            raise WireError("bad group members")
+        return tuple(range(start, start + step * n, step)) if n else ()
+    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+        return tuple(x)
+    raise WireError("bad group members")
+
+
+# ------------------------------------------------------------------ values
+
+
+def _pack_value(v: Any, t: _Tables) -> Any:
+    """A digest field's value as msgpack data (tuples of frames as stack references)."""
+    if isinstance(v, OpState):
+        return msgpack.ExtType(_EXT_STATE, msgpack.packb(int(v)))
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return v
+    if isinstance(v, Frame):
+        return msgpack.ExtType(_EXT_FRAME, msgpack.packb(t.frame(v)))
+    if isinstance(v, GroupInfo):
+        return msgpack.ExtType(_EXT_GROUP, msgpack.packb(t.group(v)))
+    if isinstance(v, tuple):
+        if v and all(isinstance(x, Frame) for x in v):
+            return msgpack.ExtType(_EXT_STACK, msgpack.packb(t.stack(v)))
+        return [_pack_value(x, t) for x in v]
+    if isinstance(v, dict):
+        return {_pack_value(k, t): _pack_value(x, t) for k, x in v.items()}
+    code = _DATACLASSES.get(type(v))
+    if code is not None:
+        fields = [_pack_value(getattr(v, f.name), t) for f in dataclasses.fields(v)]
+        return msgpack.ExtType(code, msgpack.packb(fields, use_bin_type=True))
+    raise WireError(f"cannot send a {type(v).__name__} in a digest")
+
+
+class _Unpacker:
+    """Inverse of :func:`_pack_value` over one batch's tables."""
+
+    def __init__(self, frames: list[Frame], stacks: list[tuple[Frame, ...]],
+                 groups: list[GroupInfo]) -> None:
+        self.frames, self.stacks, self.groups = frames, stacks, groups
+
+    def ext(self, code: int, data: bytes) -> Any:
+        value = _loads(data, self.ext)
+        try:
+            if code == _EXT_STATE:
+                return OpState(value)
+            if code == _EXT_FRAME:
+                return self.frames[value]
+            if code == _EXT_STACK:
+                return self.stacks[value]
+            if code == _EXT_GROUP:
+                return self.groups[value]
+            cls = _BY_CODE.get(code)
+            if cls is not None:
+                return cls(*value)
+        except (IndexError, TypeError, ValueError) as exc:
+            raise WireError(f"bad value in a digest: {exc}") from None
+        raise WireError(f"unknown extension {code}")
+
+
+def _loads(data: bytes, ext: Any | None) -> Any:
+    try:
+        if ext is None:
+            return msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=False)
+        return msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=False,
+                               ext_hook=ext)
+    except WireError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise WireError(f"corrupt digest payload: {exc}") from None
+
+
+# ------------------------------------------------------------------ details
+
+
+_DETAIL_FIELDS: Final = EntryDetail._fields
+
+
+def _pack_details(details: dict[int, EntryDetail], t: _Tables, blob: _Blob,
+                  base: int) -> list[Any]:
+    """Kept entry details as one int64 matrix (a row per field), strings and stacks as indices.
+
+    Times are stored relative to the dump time; the matrix is byte-shuffled so
+    the high bytes that every small value leaves zero compress away.
+    """
+    rows = list(details.values())
+    n = len(rows)
+    kinds: list[str] = []
+    matrix = np.empty((len(_DETAIL_FIELDS) + 1, n), dtype=np.int64)
+    matrix[0] = np.fromiter(details.keys(), dtype=np.int64, count=n)
+    for i, name in enumerate(_DETAIL_FIELDS):
+        values: list[Any] = [r[i] for r in rows]
+        col: list[Any]
+        if all(type(v) is bool for v in values):
+            kind, col = "b", values
+        elif all(type(v) is OpState for v in values):
+            kind, col = "e", values
+        elif all(type(v) is int for v in values):
+            kind, col = "i", values
+        elif all(v is None or type(v) is str for v in values):
+            kind, col = "s", [-1 if v is None else t.string(v) for v in values]
+        elif all(type(v) is tuple for v in values):
+            kind, col = "f", [t.stack(v) if v else -1 for v in values]
+        else:
+            raise WireError(f"cannot send entry detail field {name!r}")
+        kinds.append(kind)
+        matrix[i + 1] = col
+        if name in _TIME_COLUMNS:
+            matrix[i + 1] -= base
+    off, ln = blob.add(_shuffle(matrix.reshape(-1)))
+    return [n, list(_DETAIL_FIELDS), kinds, off, ln]
+
+
+def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
+                    stacks: list[tuple[Frame, ...]], base: int) -> dict[int, EntryDetail]:
+    n, names, kinds, off, ln = spec
+    if tuple(names) != _DETAIL_FIELDS or len(kinds) != len(names):
+        raise WireError("entry details from another version of frforensics")
+    if not 0 <= off <= off + ln <= len(blob):
+        raise WireError("bad entry details")
+    matrix = _unshuffle(blob[off:off + ln], _I8, (len(names) + 1) * n).reshape(-1, n)
+    columns: list[list[Any]] = []
+    try:
+        for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
+            row = matrix[i + 1]
+            if name in _TIME_COLUMNS:
+                row = row + base
+            col = row.tolist()
+            if kind == "b":
+                col = [bool(v) for v in col]
+            elif kind == "e":
+                col = [_STATES[v] for v in col]
+            elif kind == "s":
+                col = [None if v < 0 else strings[v] for v in col]
+            elif kind == "f":
+                col = [() if v < 0 else stacks[v] for v in col]
+            elif kind != "i":
+                raise WireError(f"unknown detail kind {kind!r}")
+            columns.append(col)
+    except (IndexError, KeyError) as exc:
+        raise WireError(f"bad entry details: {exc!r}") from None
+    keys = matrix[0].tolist()
+    return dict(zip(keys, map(EntryDetail._make, zip(*columns, strict=True)), strict=True))
+
+
+_I8: Final = np.dtype(np.int64)
+_STATES: Final = {int(s): s for s in OpState}
+
+
+# ------------------------------------------------------------------ batches
+
+
+def encode_batch(digests: Iterable[RankDigest], *, codec: str = "zlib", level: int = 6) -> bytes:
+    """Encode ``digests`` (one host's batch) into one compressed payload."""
+    t = _Tables()
+    blob = _Blob()
+    docs = []
+    for d in digests:
+        base = d.dump_time_ns or 0
+        fields: dict[str, Any] = {}
+        columns: dict[str, Any] = {}
+        details: list[Any] | None = None
+        for name in _DIGEST_FIELDS:
+            v = getattr(d, name)
+            if isinstance(v, np.ndarray):
+                columns[name] = _put_column(blob, v, base=base if name in _TIME_COLUMNS else 0)
+            elif name == "details":
+                details = _pack_details(v, t, blob, base)
+            else:
+                fields[name] = _pack_value(v, t)
+        docs.append({"f": fields, "c": columns, "d": details})
+    frame_rows = np.asarray(t.frame_rows, dtype=np.int64).reshape(-1, 3)
+    doc = {
+        "strings": list(t.strings),
+        "frames": [_put_column(blob, np.ascontiguousarray(frame_rows[:, i])) for i in range(3)],
+        "stacks": [list(s) for s in t.stack_rows],
+        "groups": [[g.name, g.desc, _members(g.ranks), g.backend] for g in t.groups],
+        "blob": b"".join(blob.parts),
+        # packed apart: its extension values refer to the tables above, which
+        # the decoder builds first
+        "digests": msgpack.packb(docs, use_bin_type=True),
+    }
+    body = msgpack.packb(doc, use_bin_type=True)
+    if codec == "zlib":
+        return _MAGIC + _ZLIB + zlib.compress(body, level)
+    if codec == "lzma":
+        return _MAGIC + _LZMA + lzma.compress(body, preset=min(level, 9))
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+class WireCache:
+    """Makes equal groups and stacks of every decoded batch one shared object.
+
+    At 16,384 ranks the default group alone is 16,384 ints per rank; one
+    ``WireCache`` for the whole load keeps a single copy.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[GroupInfo, GroupInfo] = {}
+        self.stacks: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
+
+
+#: the largest decompressed payload accepted (a guard against decompression bombs)
+MAX_PAYLOAD_BYTES: Final = 1 << 31
+
+
+def decode_batch(data: bytes, *, cache: WireCache | None = None) -> list[RankDigest]:
+    """Decode a payload of :func:`encode_batch` back into equal ``RankDigest``s."""
+    if data[:4] != _MAGIC or len(data) < 5:
+        raise WireError("not a frforensics digest payload")
+    try:
+        if data[4:5] == _ZLIB:
+            d = zlib.decompressobj()
+            body = d.decompress(data[5:], MAX_PAYLOAD_BYTES)
+            if d.unconsumed_tail:
+                raise WireError("digest payload too large")
+            if not d.eof:
+                raise WireError("truncated digest payload")
+        elif data[4:5] == _LZMA:
+            dl = lzma.LZMADecompressor()
+            body = dl.decompress(data[5:], MAX_PAYLOAD_BYTES)
+            if not dl.eof:
+                raise WireError("truncated or too large digest payload")
+        else:
+            raise WireError("unknown compression in a digest payload")
+    except (zlib.error, lzma.LZMAError) as exc:
+        raise WireError(f"corrupt digest payload: {exc}") from None
+    doc = _loads(body, None)
+    try:
+        return _decode_doc(doc, cache)
+    except WireError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise WireError(f"malformed digest payload: {type(exc).__name__}: {exc}") from None
+
+
+def _decode_doc(doc: Any, cache: WireCache | None) -> list[RankDigest]:
+    blob = memoryview(doc["blob"])
+    strings = list(doc["strings"])
+    if not all(type(s) is str for s in strings):
+        raise WireError("bad string table")
+    files, lines, names = (_get_column(blob, spec).tolist() for spec in doc["frames"])
+    frames = [Frame(strings[f], ln, strings[n]) for f, ln, n in zip(files, lines, names, strict=True)]
+    stacks = [tuple(frames[i] for i in s) for s in doc["stacks"]]
+    groups = [GroupInfo(name, desc, _members_back(ranks), backend)
+              for name, desc, ranks, backend in doc["groups"]]
+    if cache is not None:
+        stacks = [cache.stacks.setdefault(s, s) for s in stacks]
+        groups = [cache.groups.setdefault(g, g) for g in groups]
+    unpacker = _Unpacker(frames, stacks, groups)
+    out = []
+    for entry in _loads(doc["digests"], unpacker.ext):
+        values: dict[str, Any] = dict(entry["f"])
+        base = values.get("dump_time_ns") or 0
+        for name, spec in entry["c"].items():
+            values[name] = _get_column(blob, spec, base=base if name in _TIME_COLUMNS else 0)
+        values["details"] = _unpack_details(entry["d"], blob, strings, stacks, base)
+        if set(values) != set(_DIGEST_FIELDS):
+            raise WireError("digest from another version of frforensics (fields differ)")
+        out.append(RankDigest(**values))
+    return out

@@ -1,0 +1,142 @@
+"""Digests on the wire: compact, and decoded back into the identical RankDigest."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pickle
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from frforensics.analyzer import wire
+from frforensics.analyzer.digest import RankDigest
+from frforensics.analyzer.load import DumpSource, _decode_batch
+from frforensics.testing import JobBuilder
+
+
+def assert_same_digest(a: RankDigest, b: RankDigest) -> None:
+    for f in dataclasses.fields(RankDigest):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray), f.name
+            assert x.dtype == y.dtype, f.name
+            assert np.array_equal(x, y), f.name
+        else:
+            assert type(x) is type(y), f.name
+            assert x == y, f.name
+    for row, det in a.details.items():
+        other = b.details[row]
+        for name in det._fields:
+            assert type(getattr(det, name)) is type(getattr(other, name)), name
+
+
+def _digests(tmp: Path, job: JobBuilder, ring: int) -> dict[str, list[RankDigest]]:
+    dumps = job.build()
+    out = {}
+    for kind, files in (("native", dumps.write_native(tmp / "native", jobs=1)),
+                        ("frdump", dumps.write_frdump(tmp / "frdump", jobs=1))):
+        outcomes = _decode_batch([DumpSource(label=str(p), path=str(p)) for p in files], None, 32)
+        out[kind] = [o.digest for o in outcomes if o.digest is not None]
+        assert len(out[kind]) == len(files)
+        assert all(len(d) == ring for d in out[kind])
+    return out
+
+
+@pytest.fixture(scope="module")
+def hang_digests(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[RankDigest]]:
+    """A 3-D job with a hang (unfinished entries, p2p, several groups), 400-entry rings."""
+    job = (JobBuilder(world_size=32, tp=2, pp=4, dp=4, ring_size=400, seed=3).steps(40)
+           .skip(rank=5, group="tp", step=38))
+    return _digests(tmp_path_factory.mktemp("hang"), job, 400)
+
+
+@pytest.mark.parametrize("kind", ["native", "frdump"])
+@pytest.mark.parametrize("codec", ["zlib", "lzma"])
+def test_batch_round_trip_is_the_identical_digest(hang_digests: dict[str, list[RankDigest]],
+                                                  kind: str, codec: str) -> None:
+    digests = hang_digests[kind]
+    back = wire.decode_batch(wire.encode_batch(digests, codec=codec))
+    assert len(back) == len(digests)
+    for a, b in zip(digests, back, strict=True):
+        assert_same_digest(a, b)
+    assert any(d.pending_rows().size for d in back), "the hang left unfinished entries"
+    assert any(d.is_p2p.any() for d in back), "the pipeline stages send and receive"
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_any_subset_and_order_of_ranks_round_trips(hang_digests: dict[str, list[RankDigest]],
+                                                   data: st.DataObject) -> None:
+    pool = hang_digests["native"] + hang_digests["frdump"]
+    picked = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=6))
+    for a, b in zip(picked, wire.decode_batch(wire.encode_batch(picked)), strict=True):
+        assert_same_digest(a, b)
+
+
+def test_groups_travel_once_per_batch_and_are_shared_after(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    digests = hang_digests["frdump"]
+    cache = wire.WireCache()
+    first = wire.decode_batch(wire.encode_batch(digests[:16]), cache=cache)
+    second = wire.decode_batch(wire.encode_batch(digests[16:]), cache=cache)
+    default = [next(g for g in d.groups if g.desc == "default_pg") for d in first + second]
+    assert all(g is default[0] for g in default)
+    # members as a range: a 16,384-rank default group costs a few bytes
+    big = dataclasses.replace(digests[0], groups=(dataclasses.replace(
+        digests[0].groups[0], ranks=tuple(range(16384))),))
+    assert len(wire.encode_batch([big])) < len(wire.encode_batch([digests[0]])) + 64
+
+
+@pytest.mark.parametrize("kind", ["native", "frdump"])
+def test_a_2000_entry_digest_is_a_few_kib(tmp_path: Path, kind: str) -> None:
+    """The benchmark's ring: pickled ~180 KiB, compressed on the wire well under 10 KiB."""
+    digests = _digests(tmp_path, JobBuilder(world_size=8, tp=8, dp=1, ring_size=2000, seed=0)
+                       .steps(200), 2000)[kind]
+    for d in digests:
+        size = len(wire.encode_batch([d]))
+        assert size < 10 * 1024
+        assert size * 20 < len(pickle.dumps(d, protocol=5))
+
+
+_INT_DTYPES = ["<i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "|b1"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(_INT_DTYPES), data=st.data(), base=st.integers(-(2**40), 2**40))
+def test_any_integer_column_round_trips(dtype: str, data: st.DataObject, base: int) -> None:
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        values = data.draw(st.lists(st.booleans(), max_size=300))
+    else:
+        info = np.iinfo(dt)
+        ints = st.integers(int(info.min), int(info.max))
+        small = st.integers(max(int(info.min), -3), min(int(info.max), 3))
+        values = data.draw(st.lists(st.one_of(ints, small), max_size=300)
+                           | st.lists(small, min_size=64, max_size=300))
+    a = np.asarray(values, dtype=dt)
+    blob = wire._Blob()
+    spec = wire._put_column(blob, a, base=base)
+    back = wire._get_column(memoryview(b"".join(blob.parts)), spec, base=base)
+    assert back.dtype == a.dtype
+    assert np.array_equal(back, a)
+
+
+def test_corrupt_payloads_fail_with_one_error(hang_digests: dict[str, list[RankDigest]]) -> None:
+    payload = bytearray(wire.encode_batch(hang_digests["frdump"][:3], level=0))
+    rng = random.Random(7)
+    for _ in range(300):
+        bad = bytearray(payload)
+        for _ in range(rng.randint(1, 4)):
+            bad[rng.randrange(5, len(bad))] = rng.randrange(256)
+        with contextlib.suppress(wire.WireError):  # anything else fails the test
+            wire.decode_batch(bytes(bad))
+    for cut in (0, 3, 5, 40, len(payload) // 2, len(payload) - 1):
+        with pytest.raises(wire.WireError):
+            wire.decode_batch(bytes(payload[:cut]))
+    with pytest.raises(wire.WireError):
+        wire.decode_batch(pickle.dumps(hang_digests["frdump"][0]))
