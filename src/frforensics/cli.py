@@ -57,7 +57,8 @@ def _write(text: str, output: Path | None) -> None:
 
 @app.command()
 def analyze(
-    paths: Annotated[list[Path], typer.Argument(help="Dump files, directories or .tar.gz/.zip archives.")],
+    paths: Annotated[list[Path] | None, typer.Argument(
+        help="Dump files, directories or .tar.gz/.zip archives.")] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.text,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
     output_dir: Annotated[Path | None, typer.Option(
@@ -73,6 +74,16 @@ def analyze(
         "time count as in flight, not hung.")] = 1.0,
     progress: Annotated[bool, typer.Option(
         "--progress/--no-progress", help="Progress bar on a terminal.")] = True,
+    dask: Annotated[str | None, typer.Option(
+        "--dask", metavar="SCHEDULER", help="Decode on a Dask cluster (tcp://host:8786): each "
+        "host reads PATHS on its own disks ({host}, {worker} are replaced there) and sends back "
+        "compact digests. Needs frforensics[dask].")] = None,
+    manifest: Annotated[Path | None, typer.Option(
+        "--manifest", help='With --dask: a JSON file {"HOST": ["path", ...]} saying which files '
+        "each host (or worker name) holds; then no PATHS are needed.")] = None,
+    host_deadline: Annotated[float, typer.Option(
+        "--host-deadline", min=1.0, help="With --dask: seconds a host may take; after that its "
+        "unread dumps are load problems.")] = 600.0,
 ) -> None:
     """Analyze dumps and print the verdict (the default command)."""
     from frforensics.analyzer import AnalyzeOptions, load_dumps
@@ -80,16 +91,34 @@ def analyze(
     from frforensics.reporting import render
 
     show_progress = progress and fmt is not Format.json and _stderr_is_terminal()
-    dumps = _with_progress(
-        lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb),
-        enabled=show_progress,
-        what="decoding dumps",
-    )
+    paths = paths or []
+    if dask is None and manifest is not None:
+        raise UsageError("--manifest goes with --dask")
+    if not paths and manifest is None:
+        raise UsageError("no dumps given: pass files, directories or archives")
+    if dask is not None:
+        from frforensics.analyzer.cluster import load_dumps_dask, read_manifest
+
+        hosts = None if manifest is None else read_manifest(manifest)
+        dumps = _with_progress(
+            lambda cb: load_dumps_dask([str(p) for p in paths], dask, prefix=prefix,
+                                       manifest=hosts, host_deadline_s=host_deadline, progress=cb),
+            enabled=show_progress,
+            what="decoding dumps on the cluster",
+        )
+    else:
+        dumps = _with_progress(
+            lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb),
+            enabled=show_progress,
+            what="decoding dumps",
+        )
     report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size, hang_after_s=hang_after))
     if output_dir is not None:
         from frforensics.reporting import write_all
 
-        write_all(report, output_dir, dump_paths=[str(p) for p in paths], prefix=prefix)
+        # the timeline re-reads the dumps: only where they are local
+        write_all(report, output_dir, dump_paths=None if dask else [str(p) for p in paths],
+                  prefix=prefix)
     if fmt is Format.text and output is None:
         from frforensics.reporting import text
 

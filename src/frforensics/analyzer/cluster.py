@@ -1,0 +1,362 @@
+"""Decode dumps where they lie, on a Dask cluster, and stream compact digests to the merge.
+
+``fr-analyze DUMPS --dask SCHEDULER`` (and :func:`load_dumps_dask`): every host
+lists and decodes its own dumps; only compressed digests (``analyzer.wire``)
+cross the network, and the central process merges them as they arrive, then
+analyzes as for a local load. ``distributed`` is an optional dependency
+(``pip install 'frforensics[dask]'``), imported only here and only when asked.
+
+Where the dumps are:
+
+* ``DUMPS`` are paths that each host resolves on its own disks (a node-local
+  ``/var/tmp/fr``): one *listing* task per host (Dask workers grouped by their
+  ``host``), pinned to a worker there, walks the paths with the same rules as
+  ``load.discover``; then *decode* tasks, pinned to the same host's workers,
+  decode batches of its files and send back one wire payload per batch.
+* ``{host}`` and ``{worker}`` in a path are replaced on each worker by its host
+  and its worker name; with ``{worker}`` every worker is its own unit (several
+  workers on one machine, each with its own folder).
+* a manifest (``--manifest FILE``, JSON ``{"HOST": ["path", ...], ...}``) says
+  which files each host holds; a key names a host, a worker name or a worker
+  address. A host in the manifest that no worker runs on becomes load problems
+  for its files right away.
+
+Failures never hang the client: a task that fails (a worker killed while it
+decoded, after the scheduler's retries), a host all of whose workers left the
+cluster, and a host that has not finished within ``host_deadline_s`` become
+:class:`~frforensics.report.LoadProblem`\\ s naming the files (so the ranks)
+that were not read; the verdict is given on the rest, and ranks expected from
+the job's groups but not read are the report's missing ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from frforensics._gc import gc_paused
+from frforensics.analyzer import wire
+from frforensics.analyzer.digest import DEFAULT_TAIL
+from frforensics.analyzer.load import (
+    DumpSet,
+    DumpSource,
+    _add,
+    _decode_batch,
+    _hidden,
+    _is_archive,
+    discover,
+)
+from frforensics.errors import UsageError
+from frforensics.report import LoadProblem
+
+# distributed's API is only partly typed (and absent where the extra is not
+# installed): its objects are ``Any`` here
+Client = Any
+Future = Any
+
+__all__ = ["load_dumps_dask", "read_manifest"]
+
+#: one listed file: label, path on its host, named explicitly, an archive to open there
+_Item = tuple[str, str, bool, bool]
+
+DEFAULT_HOST_DEADLINE_S: Final = 600.0
+_POLL_S: Final = 0.5
+_MAX_BATCH: Final = 64
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def _list_here(paths: Sequence[str], unit: str) -> tuple[list[_Item], list[tuple[str, str]]]:
+    """On a worker: the candidate dumps under ``paths`` on this host (no bytes read).
+
+    The rules are those of ``load.discover`` (hidden names skipped, directories
+    walked in sorted order); archives are opened by the decode task, on the host.
+    """
+    items: list[_Item] = []
+    problems: list[tuple[str, str]] = []
+    for raw in paths:
+        path = os.path.abspath(os.path.expanduser(raw))
+        label = f"{unit}:{path}"
+        if not os.path.exists(path):
+            problems.append((label, "no such file or directory on this host"))
+            continue
+        try:
+            if os.path.isdir(path):
+                for dirpath, dirnames, filenames in os.walk(path):
+                    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+                    for name in sorted(filenames):
+                        if name.startswith("."):
+                            continue
+                        full = os.path.join(dirpath, name)
+                        items.append((f"{unit}:{full}", full, False, _is_archive(name)))
+            else:
+                items.append((label, path, True, _is_archive(os.path.basename(path))))
+        except OSError as exc:
+            problems.append((label, f"cannot list: {exc}"))
+    return items, problems
+
+
+def _decode_here(items: Sequence[_Item], prefix: str | None, tail: int,
+                 codec: str) -> tuple[bytes, list[tuple[str, str, bool]]]:
+    """On a worker: decode ``items`` into one wire payload, plus (label, error, quiet) problems."""
+    sources: list[DumpSource] = []
+    problems: list[tuple[str, str, bool]] = []
+    for label, path, explicit, archive in items:
+        if not archive:
+            sources.append(DumpSource(label=label, path=path, explicit=explicit))
+            continue
+        unit = label[: len(label) - len(path) - 1]
+        try:
+            members, bad = discover([path])
+        except UsageError as exc:
+            problems.append((label, str(exc), False))
+            continue
+        sources.extend(DumpSource(label=f"{unit}:{m.label}", data=m.data) for m in members)
+        problems.extend((f"{unit}:{p.path}", p.error, False) for p in bad)
+    with gc_paused():
+        outcomes = _decode_batch(sources, prefix, tail)
+    digests = [o.digest for o in outcomes if o.digest is not None]
+    problems.extend((o.label, o.error or "unreadable", o.quiet) for o in outcomes if o.digest is None)
+    return wire.encode_batch(digests, codec=codec), problems
+
+
+# ---------------------------------------------------------------- client side
+
+
+@dataclass(slots=True)
+class _Unit:
+    """The dumps of one host (or one worker, with ``{worker}`` paths)."""
+
+    key: str
+    workers: list[str]
+    paths: list[str]
+    started: float = 0.0
+    listed: bool = False
+    items: list[_Item] = field(default_factory=list)  # files listed (or named by the manifest)
+    pending: dict[str, list[_Item]] = field(default_factory=dict)  # future key -> its files
+    failed: bool = False
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, list[str]]:
+    """``{"HOST": ["path", ...]}`` from a JSON file (a usage error if malformed)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{path}: cannot read the manifest: {exc}") from None
+    if not isinstance(doc, dict) or not all(
+            isinstance(k, str) and isinstance(v, list) and all(isinstance(p, str) for p in v)
+            for k, v in doc.items()):
+        raise UsageError(f'{path}: a manifest is a JSON object {{"host": ["path", ...], ...}}')
+    return {k: list(v) for k, v in doc.items()}
+
+
+def _distributed() -> Any:
+    try:
+        import distributed
+    except ImportError:
+        raise UsageError("--dask needs Dask's distributed package: "
+                         "pip install 'frforensics[dask]'") from None
+    return distributed
+
+
+def _connect(scheduler: str | Client, timeout_s: float) -> tuple[Client, bool]:
+    dd = _distributed()
+    if not isinstance(scheduler, str):
+        return scheduler, False
+    try:
+        return dd.Client(scheduler, timeout=timeout_s, set_as_default=False), True
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise UsageError(f"cannot reach the Dask scheduler at {scheduler}: {exc}") from None
+
+
+def _units(workers: dict[str, Any], paths: Sequence[str],
+           manifest: dict[str, list[str]] | None) -> tuple[list[_Unit], list[LoadProblem]]:
+    problems: list[LoadProblem] = []
+    if manifest is not None:
+        units = []
+        for key, files in manifest.items():
+            mine = sorted(a for a, w in workers.items()
+                          if key in (a, str(w.get("name")), str(w.get("host"))))
+            if not mine:
+                problems.extend(LoadProblem(f"{key}:{f}", f"not read: no Dask worker runs on {key}")
+                                for f in files)
+                continue
+            units.append(_Unit(key, mine, files))
+        return units, problems
+    per_worker = any("{worker}" in p for p in paths)
+    by_key: dict[str, list[str]] = {}
+    for addr, w in sorted(workers.items()):
+        key = str(w.get("name")) if per_worker else str(w.get("host"))
+        by_key.setdefault(key, []).append(addr)
+    units = []
+    for key, addrs in sorted(by_key.items()):
+        w = workers[addrs[0]]
+        resolved = [p.replace("{host}", str(w.get("host"))).replace("{worker}", str(w.get("name")))
+                    for p in paths]
+        units.append(_Unit(key, addrs, resolved))
+    return units, problems
+
+
+def load_dumps_dask(
+    paths: Sequence[str | os.PathLike[str]],
+    scheduler: str | Client,
+    *,
+    prefix: str | None = None,
+    tail: int = DEFAULT_TAIL,
+    manifest: dict[str, list[str]] | None = None,
+    host_deadline_s: float = DEFAULT_HOST_DEADLINE_S,
+    connect_timeout_s: float = 30.0,
+    codec: str = "zlib",
+    progress: Callable[[int, int], None] | None = None,
+) -> DumpSet:
+    """Like :func:`~frforensics.analyzer.load_dumps`, with every host decoding its own dumps.
+
+    ``scheduler`` is the scheduler's address (``tcp://host:8786``) or a
+    ``distributed.Client``. ``host_deadline_s`` bounds each host's work, from
+    the start of its listing to its last batch. ``progress(done, total)``: files
+    decoded, files listed so far.
+    """
+    client, own = _connect(scheduler, connect_timeout_s)
+    try:
+        with gc_paused():
+            return _load(client, [str(p) for p in paths], prefix=prefix, tail=tail,
+                         manifest=manifest, deadline_s=host_deadline_s, codec=codec,
+                         progress=progress)
+    finally:
+        if own:
+            client.close(timeout=10)
+
+
+def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
+          manifest: dict[str, list[str]] | None, deadline_s: float, codec: str,
+          progress: Callable[[int, int], None] | None) -> DumpSet:
+    wait = _distributed().wait
+    workers = _workers(client)
+    if not workers:
+        raise UsageError("the Dask cluster has no workers")
+    units, early = _units(workers, paths, manifest)
+    result = DumpSet(problems=early)
+    cache = wire.WireCache()
+    owner: dict[str, _Unit] = {}  # future key -> unit
+    futures: dict[str, Future] = {}
+    total = done = 0
+
+    def submit(unit: _Unit, fn: Callable[..., Any], *args: Any) -> str:
+        fut = client.submit(fn, *args, workers=unit.workers, allow_other_workers=False,
+                            pure=False, retries=0)
+        futures[fut.key] = fut
+        owner[fut.key] = unit
+        return str(fut.key)
+
+    def fail(unit: _Unit, why: str) -> None:
+        """Everything of ``unit`` not yet read becomes load problems."""
+        nonlocal done
+        unit.failed = True
+        if not unit.listed:
+            result.problems.append(LoadProblem(
+                f"{unit.key}:{','.join(unit.paths)}", f"not read: {why} (its dumps were never listed)"))
+        for key, items in unit.pending.items():
+            fut = futures.pop(key, None)
+            if fut is not None:
+                fut.cancel()
+            owner.pop(key, None)
+            result.problems.extend(LoadProblem(label, f"not read: {why}") for label, *_ in items)
+            done += len(items)
+        unit.pending.clear()
+
+    def batches(unit: _Unit, items: list[_Item]) -> None:
+        nonlocal total
+        unit.listed, unit.items = True, items
+        total += len(items)
+        size = max(1, min(_MAX_BATCH, len(items) // (4 * len(unit.workers)) or 1))
+        for i in range(0, len(items), size):
+            chunk = items[i:i + size]
+            unit.pending[submit(unit, _decode_here, chunk, prefix, tail, codec)] = chunk
+
+    now = time.monotonic()
+    for unit in units:
+        unit.started = now
+        if manifest is not None:
+            batches(unit, [(f"{unit.key}:{p}", p, True, _is_archive(p)) for p in unit.paths
+                           if not _hidden(p)])
+        else:
+            unit.pending[submit(unit, _list_here, unit.paths, unit.key)] = []
+    if progress and total:
+        progress(0, total)
+    last_check = 0.0
+    while futures:
+        try:
+            finished, _ = wait(list(futures.values()), timeout=_POLL_S, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            finished = set()
+        for fut in finished:
+            key = str(fut.key)
+            futures.pop(key, None)
+            if key not in owner:
+                continue
+            unit = owner.pop(key)
+            items = unit.pending.pop(key, [])
+            if fut.status != "finished":
+                exc = _exception(fut)
+                what = "listing" if not unit.listed else f"decoding {len(items)} file(s)"
+                fail_items = {key: items} if unit.listed else {}
+                unit.pending.update(fail_items)
+                fail(unit, f"{what} on {unit.key} failed: {exc}")
+                continue
+            value = fut.result()
+            if not unit.listed:
+                listed, problems = value
+                result.problems.extend(LoadProblem(label, msg) for label, msg in problems)
+                batches(unit, list(listed))
+            else:
+                payload, problems = value
+                for digest in wire.decode_batch(payload, cache=cache):
+                    _add(result, digest)
+                for label, msg, quiet in problems:
+                    if quiet:
+                        result.skipped.append(label)
+                    else:
+                        result.problems.append(LoadProblem(label, msg))
+                done += len(items)
+            if progress and total:
+                progress(done, total)
+        now = time.monotonic()
+        if now - last_check >= 2 * _POLL_S:
+            last_check = now
+            try:
+                alive = set(_workers(client))
+            except Exception as exc:  # whatever the scheduler's connection raised
+                for unit in units:
+                    if unit.pending and not unit.failed:
+                        fail(unit, f"the Dask scheduler did not answer ({type(exc).__name__})")
+                continue
+            for unit in units:
+                if not (unit.pending and not unit.failed):
+                    continue
+                if not alive.intersection(unit.workers):
+                    fail(unit, f"the Dask worker(s) of {unit.key} left the cluster")
+                elif now - unit.started > deadline_s:
+                    fail(unit, f"{unit.key} did not finish within {deadline_s:g} s")
+                if progress and total:
+                    progress(done, total)
+    return result
+
+
+def _workers(client: Client) -> dict[str, Any]:
+    """The scheduler's workers now (address -> info), never waiting more than 30 s."""
+    info = client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=30)
+    return dict(info["workers"])
+
+
+def _exception(fut: Future) -> str:
+    try:
+        exc = fut.exception(timeout=5)
+    except Exception as err:  # the scheduler may be gone too
+        return f"{type(err).__name__}: {err}"
+    return f"{type(exc).__name__}: {exc}" if exc is not None else str(fut.status)
