@@ -140,3 +140,16 @@ def test_corrupt_payloads_fail_with_one_error(hang_digests: dict[str, list[RankD
             wire.decode_batch(bytes(payload[:cut]))
     with pytest.raises(wire.WireError):
         wire.decode_batch(pickle.dumps(hang_digests["frdump"][0]))
+
+
+def test_a_local_analysis_never_imports_dask() -> None:
+    import subprocess
+    import sys
+
+    data = Path(__file__).resolve().parents[1] / "data" / "native" / "missing_rank" / "pickle"
+    code = ("import sys\nfrom frforensics.cli import main\ntry:\n"
+            f"    main([{str(data)!r}, '--format', 'json', '--jobs', '1'])\n"
+            "except SystemExit:\n    pass\n"
+            "assert 'distributed' not in sys.modules and 'dask' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

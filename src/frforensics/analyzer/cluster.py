@@ -65,7 +65,8 @@ __all__ = ["load_dumps_dask", "read_manifest"]
 _Item = tuple[str, str, bool, bool]
 
 DEFAULT_HOST_DEADLINE_S: Final = 600.0
-_POLL_S: Final = 0.5
+_POLL_S: Final = 0.5  # how often the workers' liveness and the deadlines are checked
+_SLEEP_S: Final = 0.02
 _MAX_BATCH: Final = 64
 
 
@@ -236,7 +237,6 @@ def load_dumps_dask(
 def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
           manifest: dict[str, list[str]] | None, deadline_s: float, codec: str,
           progress: Callable[[int, int], None] | None) -> DumpSet:
-    wait = _distributed().wait
     workers = _workers(client)
     if not workers:
         raise UsageError("the Dask cluster has no workers")
@@ -291,10 +291,11 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
         progress(0, total)
     last_check = 0.0
     while futures:
-        try:
-            finished, _ = wait(list(futures.values()), timeout=_POLL_S, return_when="FIRST_COMPLETED")
-        except TimeoutError:
-            finished = set()
+        # polled, not ``distributed.wait``: that needs a default client, and a
+        # future's state is a local lookup
+        finished = [fut for fut in futures.values() if fut.done()]
+        if not finished:
+            time.sleep(_SLEEP_S)
         for fut in finished:
             key = str(fut.key)
             futures.pop(key, None)
