@@ -55,11 +55,11 @@ def spread(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def cluster() -> Iterator[Any]:
     """Three single-threaded worker processes named 0, 1, 2 (2 shared cores: be patient)."""
-    with distributed.LocalCluster(n_workers=HOSTS, threads_per_worker=1, processes=True,
-                                  dashboard_address=None, silence_logs=40) as c:
-        with distributed.Client(c, set_as_default=False) as client:
-            client.wait_for_workers(HOSTS, timeout=120)
-            yield client
+    with (distributed.LocalCluster(n_workers=HOSTS, threads_per_worker=1, processes=True,
+                                   dashboard_address=None, silence_logs=40) as c,
+          distributed.Client(c, set_as_default=False) as client):
+        client.wait_for_workers(HOSTS, timeout=120)
+        yield client
 
 
 def _worker(client: Any, name: str) -> str:
