@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 from frforensics.formats import frdump
 from frforensics.model import GroupInfo, RankTrace
 from frforensics.testing import JobBuilder
+from frforensics.testing.dumps import JobDumps
 
 ENTRIES = 2000
 STEPS = 200  # enough steps that every ring holds 2000 entries
@@ -77,7 +79,7 @@ def converted_set(native: Path, *, jobs: int) -> Path:
     return out
 
 
-def write_cloned_frdumps(out: Path, world: int, *, jobs: int) -> Path:
+def write_cloned_frdumps(out: Path, world: int, *, jobs: int, entries: int = ENTRIES) -> Path:
     """A healthy TP 8 × DP job of ``world`` ranks in frdump, by cloning one simulated rank.
 
     Every rank of a healthy TP × DP job runs the same program; the builder
@@ -91,7 +93,7 @@ def write_cloned_frdumps(out: Path, world: int, *, jobs: int) -> Path:
     started = time.time()
     print(f"  generating {out} (cloned) ...", flush=True)
     out.mkdir(parents=True)
-    template = healthy_job(64).build().traces()
+    template = _template(entries).traces()
     chunks = [range(i, world, jobs) for i in range(jobs)]
     pids = []
     for chunk in chunks:
@@ -101,6 +103,54 @@ def write_cloned_frdumps(out: Path, world: int, *, jobs: int) -> Path:
                 for r in chunk:
                     data = frdump.encode(_clone(template[r % 64], r, world))
                     (out / f"frdump_rank_{r}").write_bytes(data)
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    _done(out, started)
+    return out
+
+
+def _template(entries: int) -> JobDumps:
+    """The simulated 64-rank job clones are made of (rings of ``entries`` entries)."""
+    return (JobBuilder(world_size=64, tp=8, dp=8, ring_size=entries, seed=0)
+            .steps(max(10, STEPS * entries // ENTRIES)).build())
+
+
+def write_cloned_native(out: Path, world: int, *, jobs: int, entries: int = ENTRIES) -> Path:
+    """:func:`write_cloned_frdumps` as NCCL-style native pickles (``nccl_trace_rank_<r>``).
+
+    Each rank is a simulated 64-rank job's rank ``r % 64`` with its groups'
+    members (``pg_config``) those of rank ``r`` of the big TP 8 × DP job; names
+    stay (groups are told apart by name *and* members).
+    """
+    if not _fresh(out):
+        return out
+    started = time.time()
+    print(f"  generating {out} (cloned native) ...", flush=True)
+    out.mkdir(parents=True)
+    template = _template(entries)
+    docs = template.native_docs()
+    chunks = [range(i, world, jobs) for i in range(jobs)]
+    pids = []
+    for chunk in chunks:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                for r in chunk:
+                    doc = dict(docs[r % 64])
+                    config = {}
+                    for name, g in doc["pg_config"].items():
+                        if g["desc"] == "default_pg":
+                            ranks = list(range(world))
+                        elif "TENSOR" in g["desc"]:
+                            ranks = list(range(r // 8 * 8, r // 8 * 8 + 8))
+                        else:
+                            ranks = list(range(r % 8, world, 8))
+                        config[name] = {**g, "ranks": str(ranks)}
+                    doc["pg_config"] = config
+                    (out / f"{PREFIX}{r}").write_bytes(pickle.dumps(doc, protocol=2))
             finally:
                 os._exit(0)
         pids.append(pid)

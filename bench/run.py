@@ -4,6 +4,8 @@
 
     python bench/run.py [--sizes 256,1024,4096] [--repeat 3] [--jobs N]
                         [--torch-max 1024] [--big-frdump 16384] [--no-profile]
+    python bench/run.py --dask [--dask-sets 16384:2000,16384:500,65536:250]
+                        [--dask-formats frdump,native] [--jobs 2]
 
 Generates (once, under bench/data/, see ``_datasets``) healthy TP 8 × DP jobs
 of each size as native pickles and converted frdumps, a 3-D TP × PP × DP job
@@ -14,6 +16,14 @@ repeat, runs in turn ``torchfrtrace`` (up to ``--torch-max`` ranks: beyond
 process, measuring wall time and the peak RSS of its process tree. Prints a
 markdown table of medians and writes it, with the raw runs and a profile of
 fr-analyze at the largest size, to bench/results/.
+
+``--dask`` instead compares, on cloned healthy TP 8 × DP jobs (``RANKS:ENTRIES``
+per set, see ``_datasets.write_cloned_*``), ``fr-analyze DIR --jobs N`` (the local
+process pool) with ``fr-analyze DIR --dask ADDRESS`` against a LocalCluster of
+``--jobs`` single-threaded worker processes started here: time to verdict, CPU
+time and peak RSS of the *central* process (the client alone for --dask; the
+whole tree, pool workers included, for the local run), and whether the
+verdicts agree.
 """
 
 from __future__ import annotations
@@ -166,6 +176,63 @@ def _fit(results: dict[str, dict[str, Any]]) -> tuple[float, float] | None:
     return ys[0] - slope * xs[0], slope
 
 
+def _bench_dask(args: argparse.Namespace) -> None:
+    import distributed
+
+    sets = []
+    for spec in args.dask_sets.split(","):
+        ranks, entries = (int(x) for x in spec.split(":"))
+        for fmt in args.dask_formats.split(","):
+            root = args.data / f"clone-{ranks}-{entries}"
+            writer = datasets.write_cloned_frdumps if fmt == "frdump" else datasets.write_cloned_native
+            print(f"dump set {ranks} ranks x {entries} entries, {fmt}:", flush=True)
+            sets.append((ranks, entries, fmt, writer(root / fmt, ranks, jobs=args.jobs, entries=entries)))
+    out = ROOT / "results" / "last-report.json.tmp"
+    rows = []
+    with distributed.LocalCluster(n_workers=args.jobs, threads_per_worker=1, processes=True,
+                                  dashboard_address=None, silence_logs=40) as cluster:
+        address = cluster.scheduler_address
+        for ranks, entries, fmt, path in sets:
+            row: dict[str, Any] = {"ranks": ranks, "entries": entries, "format": fmt}
+            for tool, cmd in (
+                ("local", [*FR_ANALYZE, str(path), "--format", "json", "--jobs", str(args.jobs)]),
+                ("dask", [*FR_ANALYZE, str(path), "--format", "json", "--dask", address]),
+            ):
+                run = measure(cmd, stdout=out, timeout_s=args.dask_timeout)
+                row[tool] = run.__dict__
+                row[f"{tool} culprits"] = _culprits(out)
+                try:
+                    doc = json.loads(out.read_text())
+                    row[f"{tool} loaded"] = len(doc["ranks_loaded"])
+                except (OSError, ValueError, KeyError):
+                    row[f"{tool} loaded"] = None
+                print(f"  {ranks} x {entries} {fmt:7s} {tool:6s} {run.wall_s:8.2f} s wall "
+                      f"{run.cpu_s:8.2f} s cpu {run.peak_rss_bytes / 2**30:6.2f} GiB "
+                      f"rc={run.returncode} loaded={row[f'{tool} loaded']}", flush=True)
+            rows.append(row)
+    head = ("| ranks × entries | format | local pool: wall s / cpu s / GiB (tree) "
+            "| --dask: wall s / client cpu s / client GiB | ranks loaded (local, dask) "
+            "| same verdict |")
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in rows:
+        loc, dsk = r["local"], r["dask"]
+        lines.append(
+            f"| {r['ranks']} × {r['entries']} | {r['format']} "
+            f"| {loc['wall_s']:.2f} / {loc['cpu_s']:.2f} / {loc['peak_rss_bytes'] / 2**30:.2f} "
+            f"| {dsk['wall_s']:.2f} / {dsk['cpu_s']:.2f} / {dsk['peak_rss_bytes'] / 2**30:.2f} "
+            f"| {r['local loaded']}, {r['dask loaded']} "
+            f"| {'yes' if r['local culprits'] == r['dask culprits'] else 'NO'} "
+            f"({r['dask culprits']}) |")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    body = (f"fr-analyze --dask (LocalCluster, {args.jobs} worker processes) vs the local pool "
+            f"(--jobs {args.jobs}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "
+            f"one run each\n\n" + "\n".join(lines) + "\n")
+    (ROOT / "results" / f"bench-dask-{stamp}.md").write_text(body)
+    (ROOT / "results" / f"bench-dask-{stamp}.json").write_text(json.dumps(rows, indent=1))
+    print()
+    print(body)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="256,1024,4096")
@@ -176,7 +243,16 @@ def main() -> None:
     ap.add_argument("--big-frdump", type=int, default=16384, help="0: skip")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
+    ap.add_argument("--dask", action="store_true", help="the --dask comparison instead")
+    ap.add_argument("--dask-sets", default="16384:2000,16384:500,65536:250",
+                    help="RANKS:ENTRIES of the cloned sets for --dask")
+    ap.add_argument("--dask-formats", default="frdump,native")
+    ap.add_argument("--dask-timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args()
+    if args.dask:
+        (ROOT / "results").mkdir(exist_ok=True)
+        _bench_dask(args)
+        return
     sizes = [int(s) for s in args.sizes.split(",") if s]
     (ROOT / "results").mkdir(exist_ok=True)
 
