@@ -136,79 +136,105 @@ class _Blob:
 
 
 def _put_column(blob: _Blob, a: npt.NDArray[Any], *, base: int = 0) -> list[Any]:
-    """Store column ``a``; returns its spec ``[dtype, n, form, stored dtype, off, len, extra]``."""
-    if a.ndim != 1:
-        raise WireError(f"only one-dimensional columns travel (got shape {a.shape})")
-    kind = a.dtype.kind
+    """Store one column (see :func:`_put_segments`)."""
+    return _put_segments(blob, [a], [base])
+
+
+def _get_column(blob: memoryview, spec: Sequence[Any], *, base: int = 0) -> npt.NDArray[Any]:
+    return _get_segments(blob, spec, [base])[0]
+
+
+def _put_segments(blob: _Blob, arrays: Sequence[npt.NDArray[Any]], bases: Sequence[int]) -> list[Any]:
+    """Store same-typed columns of several digests as one; returns the spec.
+
+    ``[dtype, lengths, form, stored dtype, offset, length, extra]``; with the
+    differences form, every segment starts over (its first value, minus its
+    base, is in ``extra``), so one rank's clock never widens another's steps.
+    """
+    dtype = arrays[0].dtype
+    if any(a.ndim != 1 or a.dtype != dtype for a in arrays):
+        raise WireError("columns of one kind must be one-dimensional and of one type")
+    lengths = [int(a.shape[0]) for a in arrays]
+    a = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     n = int(a.shape[0])
-    if kind not in "iub" or n == 0:
+    if dtype.kind not in "iub" or n == 0:
         off, ln = blob.add(np.ascontiguousarray(a).tobytes())
-        return [a.dtype.str, n, _RAW, a.dtype.str, off, ln, None]
-    x = a.astype(np.int64) if a.dtype != np.uint64 else a
+        return [dtype.str, lengths, _RAW, dtype.str, off, ln, None]
+    x = a.astype(np.int64) if dtype != np.uint64 else a
     lo, hi = int(x.min()), int(x.max())
-    best_form, best_dtype, best_size = _RAW, _narrow(lo, hi), 0
+    best_form, best_dtype = _RAW, _narrow(lo, hi)
     best_size = best_dtype.itemsize * n
+    ends = np.cumsum(lengths)
+    starts = (ends - lengths)[np.asarray(lengths) > 0]
     diff: npt.NDArray[Any] | None = None
-    if n > 1 and a.dtype != np.uint64 and best_dtype.itemsize > 1:
-        diff = np.diff(x)
+    if dtype != np.uint64 and best_dtype.itemsize > 1 and n > len(starts):
+        diff = np.empty(n, dtype=np.int64)
+        diff[0] = 0
+        np.subtract(x[1:], x[:-1], out=diff[1:])
+        diff[starts] = 0
         ddt = _narrow(int(diff.min()), int(diff.max()))
-        if ddt.itemsize * n < best_size:
-            best_form, best_dtype, best_size = _DELTA, ddt, ddt.itemsize * n
+        if ddt.itemsize * n + 8 * len(starts) < best_size:
+            best_form, best_dtype, best_size = _DELTA, ddt, ddt.itemsize * n + 8 * len(starts)
     values: npt.NDArray[Any] | None = None
-    inverse: npt.NDArray[Any] | None = None
     # a dictionary pays for hashes and sizes (4 bytes narrowed, a handful of
     # distinct values); short columns compress as well without one
     if best_dtype.itemsize >= 4 and n >= 64:
-        values = np.unique(x)
-        if len(values) <= 256:
-            inverse = np.searchsorted(values, x)
-            vdt = _narrow(int(values[0]), int(values[-1]))
-            size = n + vdt.itemsize * len(values)
+        uniq = np.unique(x)
+        if len(uniq) <= 256:
+            vdt = _narrow(int(uniq[0]), int(uniq[-1]))
+            size = n + vdt.itemsize * len(uniq)
             if size < best_size:
-                best_form, best_dtype, best_size = _DICT, np.dtype(np.uint8), size
+                best_form, best_dtype, values = _DICT, vdt, uniq
     if best_form == _RAW:
         off, ln = blob.add(_shuffle(x.astype(best_dtype)))
-        return [a.dtype.str, n, _RAW, best_dtype.str, off, ln, None]
+        return [dtype.str, lengths, _RAW, best_dtype.str, off, ln, None]
     if best_form == _DELTA:
         assert diff is not None
         off, ln = blob.add(_shuffle(diff.astype(best_dtype)))
-        return [a.dtype.str, n, _DELTA, best_dtype.str, off, ln, int(x[0]) - base]
-    assert values is not None and inverse is not None
-    vdt = _narrow(int(values[0]), int(values[-1]))
-    off, ln = blob.add(inverse.astype(np.uint8).tobytes())
-    table_off, table_len = blob.add(_shuffle(values.astype(vdt)))
-    return [a.dtype.str, n, _DICT, vdt.str, off, ln, [len(values), table_off, table_len]]
+        seg_bases = np.asarray(bases, dtype=np.int64)[np.asarray(lengths) > 0]
+        firsts = (x[starts] - seg_bases).astype("<i8")
+        return [dtype.str, lengths, _DELTA, best_dtype.str, off, ln, firsts.tobytes()]
+    assert values is not None
+    off, ln = blob.add(np.searchsorted(values, x).astype(np.uint8).tobytes())
+    table_off, table_len = blob.add(_shuffle(values.astype(best_dtype)))
+    return [dtype.str, lengths, _DICT, best_dtype.str, off, ln, [len(values), table_off, table_len]]
 
 
 _DTYPES: Final = {np.dtype(t).str: np.dtype(t)
                   for t in (*_INT_TYPES, np.bool_, np.float32, np.float64)}
 
 
-def _get_column(blob: memoryview, spec: Sequence[Any], *, base: int = 0) -> npt.NDArray[Any]:
+def _get_segments(blob: memoryview, spec: Sequence[Any],
+                  bases: Sequence[int]) -> list[npt.NDArray[Any]]:
     try:
-        dtype_s, n, form, stored_s, off, ln, extra = spec
+        dtype_s, lengths, form, stored_s, off, ln, extra = spec
         dtype, stored = _DTYPES[dtype_s], _DTYPES[stored_s]
+        if len(lengths) != len(bases) or not all(type(k) is int and k >= 0 for k in lengths):
+            raise ValueError("segment lengths")
     except (TypeError, ValueError, KeyError) as exc:
         raise WireError(f"bad column spec: {exc!r}") from None
-    if type(n) is not int or n < 0 or not 0 <= off <= off + ln <= len(blob):
+    n = sum(lengths)
+    if not 0 <= off <= off + ln <= len(blob):
         raise WireError("bad column spec")
     data = blob[off:off + ln]
     if form == _RAW:
         if dtype.kind == "f":
             if len(data) != n * dtype.itemsize or stored != dtype:
                 raise WireError("bad float column")
-            return np.frombuffer(data, dtype=dtype).copy()
-        return _unshuffle(data, stored, n).astype(dtype, copy=False)
-    if form == _DELTA:
-        if n < 2:
+            x = np.frombuffer(data, dtype=dtype).copy()
+        else:
+            x = _unshuffle(data, stored, n).astype(dtype, copy=False)
+    elif form == _DELTA:
+        steps = _unshuffle(data, stored, n)
+        nonempty = np.asarray(lengths) > 0
+        if not isinstance(extra, bytes) or len(extra) != 8 * int(nonempty.sum()):
             raise WireError("bad delta column")
-        steps = _unshuffle(data, stored, n - 1)
-        out = np.empty(n, dtype=np.int64)
-        out[0] = int(extra) + base
-        np.cumsum(steps, out=out[1:])
-        out[1:] += out[0]
-        return out.astype(dtype, copy=False)
-    if form == _DICT:
+        firsts = np.frombuffer(extra, dtype="<i8") + np.asarray(bases, dtype=np.int64)[nonempty]
+        c = np.cumsum(steps, dtype=np.int64)
+        seg = np.asarray(lengths)[nonempty]
+        starts = np.cumsum(seg) - seg
+        x = (c + np.repeat(firsts - c[starts], seg)).astype(dtype, copy=False)
+    elif form == _DICT:
         k, table_off, table_len = extra
         if not 0 <= table_off <= table_off + table_len <= len(blob):
             raise WireError("bad dictionary column")
@@ -216,8 +242,13 @@ def _get_column(blob: memoryview, spec: Sequence[Any], *, base: int = 0) -> npt.
         idx = np.frombuffer(data, dtype=np.uint8)
         if len(idx) != n or (n and int(idx.max()) >= k):
             raise WireError("bad dictionary column")
-        return table[idx]
-    raise WireError(f"unknown column form {form!r}")
+        x = table[idx]
+    else:
+        raise WireError(f"unknown column form {form!r}")
+    if len(lengths) == 1:
+        return [x]
+    bounds = np.cumsum(lengths).tolist()
+    return [x[e - k:e] for e, k in zip(bounds, lengths, strict=True)]
 
 
 # ------------------------------------------------------------------ tables
@@ -376,18 +407,21 @@ def _loads(data: bytes, ext: Any | None) -> Any:
 _DETAIL_FIELDS: Final = EntryDetail._fields
 
 
-def _pack_details(details: dict[int, EntryDetail], t: _Tables, blob: _Blob,
-                  base: int) -> list[Any]:
-    """Kept entry details as one int64 matrix (a row per field), strings and stacks as indices.
+def _pack_details(all_details: Sequence[dict[int, EntryDetail]], t: _Tables, blob: _Blob,
+                  bases: Sequence[int]) -> list[Any]:
+    """The batch's kept entry details as one int64 matrix (a row per field), strings and
+    stacks as table indices.
 
-    Times are stored relative to the dump time; the matrix is byte-shuffled so
-    the high bytes that every small value leaves zero compress away.
+    Times are stored relative to their digest's dump time; the matrix is
+    byte-shuffled so the high bytes that every small value leaves zero compress away.
     """
-    rows = list(details.values())
+    counts = [len(d) for d in all_details]
+    rows = [r for d in all_details for r in d.values()]
     n = len(rows)
     kinds: list[str] = []
     matrix = np.empty((len(_DETAIL_FIELDS) + 1, n), dtype=np.int64)
-    matrix[0] = np.fromiter(details.keys(), dtype=np.int64, count=n)
+    matrix[0] = [k for d in all_details for k in d]
+    shift = np.repeat(np.asarray(bases, dtype=np.int64), counts)
     for i, name in enumerate(_DETAIL_FIELDS):
         values: list[Any] = [r[i] for r in rows]
         col: list[Any]
@@ -406,28 +440,31 @@ def _pack_details(details: dict[int, EntryDetail], t: _Tables, blob: _Blob,
         kinds.append(kind)
         matrix[i + 1] = col
         if name in _TIME_COLUMNS:
-            matrix[i + 1] -= base
+            matrix[i + 1] -= shift
     off, ln = blob.add(_shuffle(matrix.reshape(-1)))
-    return [n, list(_DETAIL_FIELDS), kinds, off, ln]
+    return [counts, list(_DETAIL_FIELDS), kinds, off, ln]
 
 
 def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
-                    stacks: list[tuple[Frame, ...]], base: int) -> dict[int, EntryDetail]:
-    n, names, kinds, off, ln = spec
-    if tuple(names) != _DETAIL_FIELDS or len(kinds) != len(names):
+                    stacks: list[tuple[Frame, ...]],
+                    bases: Sequence[int]) -> list[dict[int, EntryDetail]]:
+    counts, names, kinds, off, ln = spec
+    if tuple(names) != _DETAIL_FIELDS or len(kinds) != len(names) or len(counts) != len(bases):
         raise WireError("entry details from another version of frforensics")
-    if not 0 <= off <= off + ln <= len(blob):
+    if not all(type(k) is int and k >= 0 for k in counts) or not 0 <= off <= off + ln <= len(blob):
         raise WireError("bad entry details")
+    n = sum(counts)
     matrix = _unshuffle(blob[off:off + ln], _I8, (len(names) + 1) * n).reshape(-1, n)
+    shift = np.repeat(np.asarray(bases, dtype=np.int64), counts)
     columns: list[list[Any]] = []
     try:
         for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
             row = matrix[i + 1]
             if name in _TIME_COLUMNS:
-                row = row + base
+                row = row + shift
             col = row.tolist()
             if kind == "b":
-                col = [bool(v) for v in col]
+                col = [v != 0 for v in col]
             elif kind == "e":
                 col = [_STATES[v] for v in col]
             elif kind == "s":
@@ -440,7 +477,13 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
     except (IndexError, KeyError) as exc:
         raise WireError(f"bad entry details: {exc!r}") from None
     keys = matrix[0].tolist()
-    return dict(zip(keys, map(EntryDetail._make, zip(*columns, strict=True)), strict=True))
+    entries = list(map(EntryDetail._make, zip(*columns, strict=True))) if n else []
+    out = []
+    end = 0
+    for k in counts:
+        out.append(dict(zip(keys[end:end + k], entries[end:end + k], strict=True)))
+        end += k
+    return out
 
 
 _I8: Final = np.dtype(np.int64)
@@ -452,23 +495,29 @@ _STATES: Final = {int(s): s for s in OpState}
 
 def encode_batch(digests: Iterable[RankDigest], *, codec: str = "zlib", level: int = 6) -> bytes:
     """Encode ``digests`` (one host's batch) into one compressed payload."""
+    digests = list(digests)
     t = _Tables()
     blob = _Blob()
+    bases = [d.dump_time_ns or 0 for d in digests]
+    zeros = [0] * len(digests)
     docs = []
-    for d in digests:
-        base = d.dump_time_ns or 0
+    arrays: dict[tuple[str, str], list[int]] = {}  # (field, dtype) -> digests that have one
+    for i, d in enumerate(digests):
         fields: dict[str, Any] = {}
-        columns: dict[str, Any] = {}
-        details: list[Any] | None = None
         for name in _DIGEST_FIELDS:
             v = getattr(d, name)
             if isinstance(v, np.ndarray):
-                columns[name] = _put_column(blob, v, base=base if name in _TIME_COLUMNS else 0)
-            elif name == "details":
-                details = _pack_details(v, t, blob, base)
-            else:
+                arrays.setdefault((name, v.dtype.str), []).append(i)
+            elif name != "details":
                 fields[name] = _pack_value(v, t)
-        docs.append({"f": fields, "c": columns, "d": details})
+        docs.append(fields)
+    columns = []
+    for (name, _), members in arrays.items():
+        pick = bases if name in _TIME_COLUMNS else zeros
+        spec = _put_segments(blob, [getattr(digests[i], name) for i in members],
+                             [pick[i] for i in members])
+        columns.append([name, members, spec])
+    details = _pack_details([d.details for d in digests], t, blob, bases)
     frame_rows = np.asarray(t.frame_rows, dtype=np.int64).reshape(-1, 3)
     doc = {
         "strings": list(t.strings),
@@ -479,6 +528,8 @@ def encode_batch(digests: Iterable[RankDigest], *, codec: str = "zlib", level: i
         # packed apart: its extension values refer to the tables above, which
         # the decoder builds first
         "digests": msgpack.packb(docs, use_bin_type=True),
+        "columns": columns,
+        "details": details,
     }
     body = msgpack.packb(doc, use_bin_type=True)
     if codec == "zlib":
@@ -548,14 +599,22 @@ def _decode_doc(doc: Any, cache: WireCache | None) -> list[RankDigest]:
         stacks = [cache.stacks.setdefault(s, s) for s in stacks]
         groups = [cache.groups.setdefault(g, g) for g in groups]
     unpacker = _Unpacker(frames, stacks, groups)
+    values = [dict(entry) for entry in _loads(doc["digests"], unpacker.ext)]
+    bases = [v.get("dump_time_ns") or 0 for v in values]
+    zeros = [0] * len(values)
+    for name, members, spec in doc["columns"]:
+        if name not in _DIGEST_FIELDS or not all(type(i) is int for i in members):
+            raise WireError(f"unknown column {name!r}")
+        pick = bases if name in _TIME_COLUMNS else zeros
+        for i, col in zip(members, _get_segments(blob, spec, [pick[i] for i in members]),
+                          strict=True):
+            values[i][name] = col
+    for v, details in zip(values, _unpack_details(doc["details"], blob, strings, stacks, bases),
+                          strict=True):
+        v["details"] = details
     out = []
-    for entry in _loads(doc["digests"], unpacker.ext):
-        values: dict[str, Any] = dict(entry["f"])
-        base = values.get("dump_time_ns") or 0
-        for name, spec in entry["c"].items():
-            values[name] = _get_column(blob, spec, base=base if name in _TIME_COLUMNS else 0)
-        values["details"] = _unpack_details(entry["d"], blob, strings, stacks, base)
-        if set(values) != set(_DIGEST_FIELDS):
+    for v in values:
+        if set(v) != set(_DIGEST_FIELDS):
             raise WireError("digest from another version of frforensics (fields differ)")
-        out.append(RankDigest(**values))
+        out.append(RankDigest(**v))
     return out
