@@ -101,6 +101,21 @@ def test_cluster_verdict_is_the_local_verdict(spread: Path, cluster: Any) -> Non
     assert ours.ranks[PLANTED].source.startswith(f"{PLANTED % HOSTS}:")
 
 
+def test_manifest_names_each_hosts_files_and_a_host_without_worker_is_a_load_problem(
+        spread: Path, cluster: Any) -> None:
+    from frforensics.analyzer.cluster import load_dumps_dask
+
+    manifest = {str(h): sorted(str(p) for p in (spread / str(h)).iterdir()) for h in (0, 1)}
+    manifest["node-gone"] = [f"/var/tmp/fr/nccl_trace_rank_{r}" for r in range(WORLD) if r % HOSTS == 2]
+    dumps = load_dumps_dask([], cluster, manifest=manifest)
+    lost = [r for r in range(WORLD) if r % HOSTS == 2]
+    assert dumps.ranks == [r for r in range(WORLD) if r % HOSTS != 2]
+    assert sorted(int(p.path.rsplit("_", 1)[1]) for p in dumps.problems) == lost
+    assert all(p.path.startswith("node-gone:") and "no Dask worker runs on node-gone" in p.error
+               for p in dumps.problems)
+    assert list(analyze(dumps).ranks_missing) == lost
+
+
 def test_killed_worker_becomes_load_problems_for_its_ranks(spread: Path, cluster: Any) -> None:
     from frforensics.analyzer.cluster import load_dumps_dask
 
@@ -152,3 +167,13 @@ def test_hung_host_is_cut_at_its_deadline_and_the_exit_code_follows_the_report(
     errors = any(f["severity"] == "error" for f in doc["findings"])
     assert errors, "ranks missing from their groups' collectives are a hang"
     assert exit_.value.code == 1
+
+
+def test_unreachable_scheduler_is_one_usage_error(tmp_path: Path) -> None:
+    from frforensics.analyzer.cluster import load_dumps_dask
+    from frforensics.errors import UsageError
+
+    started = time.monotonic()
+    with pytest.raises(UsageError, match=r"cannot reach the Dask scheduler at tcp://127\.0\.0\.1:9"):
+        load_dumps_dask([str(tmp_path)], "tcp://127.0.0.1:9", connect_timeout_s=2)
+    assert time.monotonic() - started < 60
