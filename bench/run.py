@@ -4,8 +4,7 @@
 
     python bench/run.py [--sizes 256,1024,4096] [--repeat 3] [--jobs N]
                         [--torch-max 1024] [--big-frdump 16384] [--no-profile]
-    python bench/run.py --dask [--dask-sets 16384:2000,16384:500,65536:250]
-                        [--dask-formats frdump,native] [--jobs 2]
+    python bench/run.py --dask [--dask-sets 16384:2000:frdump,4096:2000:native,...] [--jobs 2]
 
 Generates (once, under bench/data/, see ``_datasets``) healthy TP 8 × DP jobs
 of each size as native pickles and converted frdumps, a 3-D TP × PP × DP job
@@ -17,7 +16,7 @@ process, measuring wall time and the peak RSS of its process tree. Prints a
 markdown table of medians and writes it, with the raw runs and a profile of
 fr-analyze at the largest size, to bench/results/.
 
-``--dask`` instead compares, on cloned healthy TP 8 × DP jobs (``RANKS:ENTRIES``
+``--dask`` instead compares, on cloned healthy TP 8 × DP jobs (``RANKS:ENTRIES:FORMAT``
 per set, see ``_datasets.write_cloned_*``), ``fr-analyze DIR --jobs N`` (the local
 process pool) with ``fr-analyze DIR --dask ADDRESS`` against a LocalCluster of
 ``--jobs`` single-threaded worker processes started here: time to verdict, CPU
@@ -179,20 +178,19 @@ def _fit(results: dict[str, dict[str, Any]]) -> tuple[float, float] | None:
 def _bench_dask(args: argparse.Namespace) -> None:
     import distributed
 
-    sets = []
-    for spec in args.dask_sets.split(","):
-        ranks, entries = (int(x) for x in spec.split(":"))
-        for fmt in args.dask_formats.split(","):
-            root = args.data / f"clone-{ranks}-{entries}"
-            writer = datasets.write_cloned_frdumps if fmt == "frdump" else datasets.write_cloned_native
-            print(f"dump set {ranks} ranks x {entries} entries, {fmt}:", flush=True)
-            sets.append((ranks, entries, fmt, writer(root / fmt, ranks, jobs=args.jobs, entries=entries)))
     out = ROOT / "results" / "last-report.json.tmp"
-    rows = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    rows: list[dict[str, Any]] = []
     with distributed.LocalCluster(n_workers=args.jobs, threads_per_worker=1, processes=True,
                                   dashboard_address=None, silence_logs=40) as cluster:
         address = cluster.scheduler_address
-        for ranks, entries, fmt, path in sets:
+        for spec in args.dask_sets.split(","):
+            r_s, e_s, fmt = spec.split(":")
+            ranks, entries = int(r_s), int(e_s)
+            writer = datasets.write_cloned_frdumps if fmt == "frdump" else datasets.write_cloned_native
+            print(f"dump set {ranks} ranks x {entries} entries, {fmt}:", flush=True)
+            path = writer(args.data / f"clone-{ranks}-{entries}" / fmt, ranks, jobs=args.jobs,
+                          entries=entries)
             row: dict[str, Any] = {"ranks": ranks, "entries": entries, "format": fmt}
             for tool, cmd in (
                 ("local", [*FR_ANALYZE, str(path), "--format", "json", "--jobs", str(args.jobs)]),
@@ -210,6 +208,10 @@ def _bench_dask(args: argparse.Namespace) -> None:
                       f"{run.cpu_s:8.2f} s cpu {run.peak_rss_bytes / 2**30:6.2f} GiB "
                       f"rc={run.returncode} loaded={row[f'{tool} loaded']}", flush=True)
             rows.append(row)
+            _dask_table(rows, args, stamp)  # after every set: a cut-short run keeps what it measured
+
+
+def _dask_table(rows: list[dict[str, Any]], args: argparse.Namespace, stamp: str) -> None:
     head = ("| ranks × entries | format | local pool: wall s / cpu s / GiB (tree) "
             "| --dask: wall s / client cpu s / client GiB | ranks loaded (local, dask) "
             "| same verdict |")
@@ -223,7 +225,6 @@ def _bench_dask(args: argparse.Namespace) -> None:
             f"| {r['local loaded']}, {r['dask loaded']} "
             f"| {'yes' if r['local culprits'] == r['dask culprits'] else 'NO'} "
             f"({r['dask culprits']}) |")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     body = (f"fr-analyze --dask (LocalCluster, {args.jobs} worker processes) vs the local pool "
             f"(--jobs {args.jobs}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"one run each\n\n" + "\n".join(lines) + "\n")
@@ -244,9 +245,9 @@ def main() -> None:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
     ap.add_argument("--dask", action="store_true", help="the --dask comparison instead")
-    ap.add_argument("--dask-sets", default="16384:2000,16384:500,65536:250",
-                    help="RANKS:ENTRIES of the cloned sets for --dask")
-    ap.add_argument("--dask-formats", default="frdump,native")
+    ap.add_argument("--dask-sets",
+                    default="16384:2000:frdump,16384:500:frdump,32768:250:frdump,4096:2000:native",
+                    help="RANKS:ENTRIES:FORMAT of the cloned sets for --dask (frdump or native)")
     ap.add_argument("--dask-timeout", type=float, default=900.0, help="seconds per run")
     args = ap.parse_args()
     if args.dask:
