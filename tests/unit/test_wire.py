@@ -78,6 +78,19 @@ def test_any_subset_and_order_of_ranks_round_trips(hang_digests: dict[str, list[
         assert_same_digest(a, b)
 
 
+def test_empty_batches_and_empty_rings_round_trip(hang_digests: dict[str, list[RankDigest]]) -> None:
+    assert wire.decode_batch(wire.encode_batch([])) == []
+    d = hang_digests["frdump"][0]
+    empty = dataclasses.replace(d, details={}, **{
+        f.name: getattr(d, f.name)[:0] for f in dataclasses.fields(d)
+        if isinstance(getattr(d, f.name), np.ndarray)})
+    for a, b in zip([empty, d, empty], wire.decode_batch(wire.encode_batch([empty, d, empty])),
+                    strict=True):
+        assert_same_digest(a, b)
+    (back,) = wire.decode_batch(wire.encode_batch([empty]))
+    assert_same_digest(empty, back)
+
+
 def test_groups_travel_once_per_batch_and_are_shared_after(
         hang_digests: dict[str, list[RankDigest]]) -> None:
     digests = hang_digests["frdump"]

@@ -317,7 +317,12 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
                 batches(unit, list(listed))
             else:
                 payload, problems = value
-                for digest in wire.decode_batch(payload, cache=cache):
+                try:
+                    digests = wire.decode_batch(payload, cache=cache)
+                except wire.WireError as exc:  # another frforensics version on that host?
+                    digests = []
+                    problems = [(label, f"not read: {exc}", False) for label, *_ in items]
+                for digest in digests:
                     _add(result, digest)
                 for label, msg, quiet in problems:
                     if quiet:

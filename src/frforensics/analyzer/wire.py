@@ -454,6 +454,8 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
     if not all(type(k) is int and k >= 0 for k in counts) or not 0 <= off <= off + ln <= len(blob):
         raise WireError("bad entry details")
     n = sum(counts)
+    if n == 0:
+        return [{} for _ in counts]
     matrix = _unshuffle(blob[off:off + ln], _I8, (len(names) + 1) * n).reshape(-1, n)
     shift = np.repeat(np.asarray(bases, dtype=np.int64), counts)
     columns: list[list[Any]] = []
