@@ -42,15 +42,10 @@ from typing import Any, Final
 from frforensics._gc import gc_paused
 from frforensics.analyzer import wire
 from frforensics.analyzer.digest import DEFAULT_TAIL
-from frforensics.analyzer.load import (
-    DumpSet,
-    DumpSource,
-    _add,
-    _decode_batch,
-    _hidden,
-    _is_archive,
-    discover,
-)
+
+# the seam with the local loader: ``digest_files`` decodes on the worker,
+# ``_add`` settles duplicates in the central DumpSet exactly as load_dumps does
+from frforensics.analyzer.load import DumpSet, _add, digest_files
 from frforensics.errors import UsageError
 from frforensics.report import LoadProblem
 
@@ -61,8 +56,8 @@ Future = Any
 
 __all__ = ["load_dumps_dask", "read_manifest"]
 
-#: one listed file: label, path on its host, named explicitly, an archive to open there
-_Item = tuple[str, str, bool, bool]
+#: one listed file: label (``HOST:path``), path on its host, named explicitly
+_Item = tuple[str, str, bool]
 
 DEFAULT_HOST_DEADLINE_S: Final = 600.0
 _POLL_S: Final = 0.5  # how often the workers' liveness and the deadlines are checked
@@ -92,12 +87,11 @@ def _list_here(paths: Sequence[str], unit: str) -> tuple[list[_Item], list[tuple
                 for dirpath, dirnames, filenames in os.walk(path):
                     dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
                     for name in sorted(filenames):
-                        if name.startswith("."):
-                            continue
-                        full = os.path.join(dirpath, name)
-                        items.append((f"{unit}:{full}", full, False, _is_archive(name)))
+                        if not name.startswith("."):  # temp files of atomic writes
+                            full = os.path.join(dirpath, name)
+                            items.append((f"{unit}:{full}", full, False))
             else:
-                items.append((label, path, True, _is_archive(os.path.basename(path))))
+                items.append((label, path, True))
         except OSError as exc:
             problems.append((label, f"cannot list: {exc}"))
     return items, problems
@@ -105,26 +99,12 @@ def _list_here(paths: Sequence[str], unit: str) -> tuple[list[_Item], list[tuple
 
 def _decode_here(items: Sequence[_Item], prefix: str | None, tail: int,
                  codec: str) -> tuple[bytes, list[tuple[str, str, bool]]]:
-    """On a worker: decode ``items`` into one wire payload, plus (label, error, quiet) problems."""
-    sources: list[DumpSource] = []
-    problems: list[tuple[str, str, bool]] = []
-    for label, path, explicit, archive in items:
-        if not archive:
-            sources.append(DumpSource(label=label, path=path, explicit=explicit))
-            continue
-        unit = label[: len(label) - len(path) - 1]
-        try:
-            members, bad = discover([path])
-        except UsageError as exc:
-            problems.append((label, str(exc), False))
-            continue
-        sources.extend(DumpSource(label=f"{unit}:{m.label}", data=m.data) for m in members)
-        problems.extend((f"{unit}:{p.path}", p.error, False) for p in bad)
+    """On a worker: ``items`` as one wire payload, plus ``(label, error, quiet)`` problems."""
     with gc_paused():
-        outcomes = _decode_batch(sources, prefix, tail)
-    digests = [o.digest for o in outcomes if o.digest is not None]
-    problems.extend((o.label, o.error or "unreadable", o.quiet) for o in outcomes if o.digest is None)
-    return wire.encode_batch(digests, codec=codec), problems
+        digests, problems, skipped = digest_files(items, prefix=prefix, tail=tail)
+    out = [(p.path, p.error, False) for p in problems]
+    out.extend((label, "not a dump", True) for label in skipped)
+    return wire.encode_batch(digests, codec=codec), out
 
 
 # ---------------------------------------------------------------- client side
@@ -283,8 +263,7 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
     for unit in units:
         unit.started = now
         if manifest is not None:
-            batches(unit, [(f"{unit.key}:{p}", p, True, _is_archive(p)) for p in unit.paths
-                           if not _hidden(p)])
+            batches(unit, [(f"{unit.key}:{p}", p, True) for p in unit.paths])
         else:
             unit.pending[submit(unit, _list_here, unit.paths, unit.key)] = []
     if progress and total:

@@ -34,7 +34,7 @@ from frforensics.formats import decode_dump, native, sniff_format
 from frforensics.model import GroupInfo, RankTrace, SourceFormat
 from frforensics.report import LoadProblem
 
-__all__ = ["DumpSet", "DumpSource", "discover", "load_dumps", "rank_from_name"]
+__all__ = ["DumpSet", "DumpSource", "digest_files", "discover", "load_dumps", "rank_from_name"]
 
 MAX_DUMP_BYTES: Final = 4 << 30
 _TRAILING_INT: Final = re.compile(r"(\d+)(?:\.[A-Za-z][A-Za-z0-9]*)*$")
@@ -221,6 +221,41 @@ def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int) -> lis
             outcome = replace(outcome, digest=replace(outcome.digest, groups=groups))
         out.append(outcome)
     return out
+
+
+def digest_files(
+    files: Sequence[tuple[str, str, bool]], *, prefix: str | None = None, tail: int = DEFAULT_TAIL,
+) -> tuple[list[RankDigest], list[LoadProblem], list[str]]:
+    """Digest local files, for a loader on another host (``analyzer.cluster``).
+
+    ``files`` are ``(label, path, explicit)``; archives are opened here, their
+    members labelled ``label!member``. Returns the digests (equal groups
+    shared), the load problems and the labels of skipped non-dumps; never
+    raises for a bad file.
+    """
+    sources: list[DumpSource] = []
+    problems: list[LoadProblem] = []
+    for label, path, explicit in files:
+        if not _is_archive(path):
+            sources.append(DumpSource(label=label, path=path, explicit=explicit))
+            continue
+        try:
+            members, bad = discover([path])
+        except UsageError as exc:
+            problems.append(LoadProblem(label, str(exc)))
+            continue
+        sources.extend(replace(m, label=label + m.label[len(path):]) for m in members)
+        problems.extend(replace(p, path=label + p.path[len(path):]) for p in bad)
+    digests: list[RankDigest] = []
+    skipped: list[str] = []
+    for out in _decode_batch(sources, prefix, tail):
+        if out.digest is not None:
+            digests.append(out.digest)
+        elif out.quiet:
+            skipped.append(out.label)
+        else:
+            problems.append(LoadProblem(out.label, out.error or "unreadable"))
+    return digests, problems, skipped
 
 
 def _executor(jobs: int) -> Executor:
