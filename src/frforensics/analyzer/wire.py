@@ -179,8 +179,8 @@ def _put_segments(blob: _Blob, arrays: Sequence[npt.NDArray[Any]], bases: Sequen
     # a dictionary pays for hashes and sizes (4 bytes narrowed, a handful of
     # distinct values); short columns compress as well without one
     if best_dtype.itemsize >= 4 and n >= 64:
-        uniq = np.unique(x)
-        if len(uniq) <= 256:
+        uniq = _few_values(x)
+        if uniq is not None:
             vdt = _narrow(int(uniq[0]), int(uniq[-1]))
             size = n + vdt.itemsize * len(uniq)
             if size < best_size:
@@ -198,6 +198,22 @@ def _put_segments(blob: _Blob, arrays: Sequence[npt.NDArray[Any]], bases: Sequen
     off, ln = blob.add(np.searchsorted(values, x).astype(np.uint8).tobytes())
     table_off, table_len = blob.add(_shuffle(values.astype(best_dtype)))
     return [dtype.str, lengths, _DICT, best_dtype.str, off, ln, [len(values), table_off, table_len]]
+
+
+def _few_values(x: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+    """The sorted distinct values of ``x`` if there are at most 256, else None.
+
+    Guessed from the first 4096 values, then checked against all of them
+    (a binary search per value: cheaper than a full ``np.unique``).
+    """
+    guess = np.unique(x[:4096])
+    if len(guess) > 256:
+        return None
+    at = np.minimum(np.searchsorted(guess, x), len(guess) - 1)
+    if np.array_equal(guess[at], x):
+        return guess
+    uniq = np.unique(x)
+    return uniq if len(uniq) <= 256 else None
 
 
 _DTYPES: Final = {np.dtype(t).str: np.dtype(t)
@@ -495,7 +511,7 @@ _STATES: Final = {int(s): s for s in OpState}
 # ------------------------------------------------------------------ batches
 
 
-def encode_batch(digests: Iterable[RankDigest], *, codec: str = "zlib", level: int = 6) -> bytes:
+def encode_batch(digests: Iterable[RankDigest], *, codec: str = "zlib", level: int = 1) -> bytes:
     """Encode ``digests`` (one host's batch) into one compressed payload."""
     digests = list(digests)
     t = _Tables()
