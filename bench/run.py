@@ -209,9 +209,44 @@ def _bench_dask(args: argparse.Namespace) -> None:
                       f"rc={run.returncode} loaded={row[f'{tool} loaded']}", flush=True)
             rows.append(row)
             _dask_table(rows, args, stamp)  # after every set: a cut-short run keeps what it measured
+        if not args.no_profile and rows:
+            big = max((r for r in rows if r["format"] == "frdump"), key=lambda r: r["ranks"] * r["entries"],
+                      default=rows[-1])
+            path = args.data / f"clone-{big['ranks']}-{big['entries']}" / big["format"]
+            text = _profile_dask(path, address)
+            _dask_table(rows, args, stamp, extra=f"\n## Profile of the central process, "
+                        f"{big['ranks']} × {big['entries']} {big['format']}\n\n```\n{text}```\n")
 
 
-def _dask_table(rows: list[dict[str, Any]], args: argparse.Namespace, stamp: str) -> None:
+def _profile_dask(path: Path, address: str) -> str:
+    """cProfile of the central process of an --dask run: streaming the digests in, then analyze."""
+    import resource
+
+    from frforensics.analyzer import analyze
+    from frforensics.analyzer.cluster import load_dumps_dask
+
+    text = io.StringIO()
+    prof = cProfile.Profile()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.perf_counter()
+    prof.enable()
+    dumps = load_dumps_dask([str(path)], address)
+    loaded = time.perf_counter()
+    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    analyze(dumps)
+    prof.disable()
+    done = time.perf_counter()
+    rss2 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    text.write(f"{len(dumps.digests)} ranks: load {loaded - started:.2f} s (workers decode, this "
+               f"process receives and decodes the wire payloads), analyze {done - loaded:.2f} s; "
+               f"peak RSS {rss0 / 2**20:.2f} GiB before, {rss1 / 2**20:.2f} GiB after the load, "
+               f"{rss2 / 2**20:.2f} GiB after the analysis\n\n")
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+def _dask_table(rows: list[dict[str, Any]], args: argparse.Namespace, stamp: str,
+                extra: str = "") -> None:
     head = ("| ranks × entries | format | local pool: wall s / cpu s / GiB (tree) "
             "| --dask: wall s / client cpu s / client GiB | ranks loaded (local, dask) "
             "| same verdict |")
@@ -227,7 +262,7 @@ def _dask_table(rows: list[dict[str, Any]], args: argparse.Namespace, stamp: str
             f"({r['dask culprits']}) |")
     body = (f"fr-analyze --dask (LocalCluster, {args.jobs} worker processes) vs the local pool "
             f"(--jobs {args.jobs}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "
-            f"one run each\n\n" + "\n".join(lines) + "\n")
+            f"one run each\n\n" + "\n".join(lines) + "\n" + extra)
     (ROOT / "results" / f"bench-dask-{stamp}.md").write_text(body)
     (ROOT / "results" / f"bench-dask-{stamp}.json").write_text(json.dumps(rows, indent=1))
     print()
