@@ -77,6 +77,16 @@ def _block_decoding() -> None:
     cluster._decode_here = blocked  # type: ignore[assignment]
 
 
+def _fail_decoding() -> None:
+    """Run on one worker: its decode tasks raise (a bug, or a bad install on that host)."""
+    from frforensics.analyzer import cluster
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("broken install on this host")
+
+    cluster._decode_here = broken  # type: ignore[assignment]
+
+
 def _comparable(report: Report) -> dict[str, Any]:
     doc = report.to_json()
     for facts in doc["ranks"].values():
@@ -145,6 +155,19 @@ def test_killed_worker_becomes_load_problems_for_its_ranks(spread: Path, cluster
     assert list(report.ranks_missing) == lost
     assert report.exit_code in (1, 2)
     assert report.has_errors
+
+
+def test_failing_tasks_cost_their_files_only(spread: Path, cluster: Any) -> None:
+    from frforensics.analyzer.cluster import load_dumps_dask
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests
+    cluster.run(_fail_decoding, workers=[_worker(cluster, "0")])
+    dumps = load_dumps_dask([str(spread / "{worker}")], cluster, host_deadline_s=240)
+    lost = [r for r in range(WORLD) if r % HOSTS == 0]
+    assert dumps.ranks == [r for r in range(WORLD) if r % HOSTS != 0]
+    assert sorted(int(p.path.rsplit("_", 1)[1]) for p in dumps.problems) == lost
+    assert all("decoding on 0 failed: RuntimeError: broken install on this host" in p.error
+               for p in dumps.problems)
 
 
 def test_hung_host_is_cut_at_its_deadline_and_the_exit_code_follows_the_report(

@@ -282,14 +282,20 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
                 continue
             unit = owner.pop(key)
             items = unit.pending.pop(key, [])
-            if fut.status != "finished":
-                exc = _exception(fut)
-                what = "listing" if not unit.listed else f"decoding {len(items)} file(s)"
-                fail_items = {key: items} if unit.listed else {}
-                unit.pending.update(fail_items)
-                fail(unit, f"{what} on {unit.key} failed: {exc}")
+            try:
+                value = fut.result() if fut.status == "finished" else None
+            except Exception:  # a result that cannot be brought back counts as a failure
+                value = None
+            if value is None:
+                why = _exception(fut)
+                if not unit.listed:
+                    fail(unit, f"listing on {unit.key} failed: {why}")
+                else:  # this batch only: the host's other batches may be fine
+                    result.problems.extend(
+                        LoadProblem(label, f"not read: decoding on {unit.key} failed: {why}")
+                        for label, *_ in items)
+                    done += len(items)
                 continue
-            value = fut.result()
             if not unit.listed:
                 listed, problems = value
                 result.problems.extend(LoadProblem(label, msg) for label, msg in problems)
