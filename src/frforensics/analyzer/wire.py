@@ -9,16 +9,17 @@ few KiB (docs/scaling.md has the measurements) and decodes to an *identical*
 How, per batch of digests (one host's batch):
 
 * **Columns** (every numpy field of the digest, whatever its name, so a field
-  added to ``RankDigest`` later travels without changing this module): each
-  integer column is stored in the cheapest of three forms, judged by bytes
-  before compression: its values narrowed to the smallest integer type that
-  holds them (an int64 ``seq`` of a 2000-entry ring fits int16), the
-  differences between consecutive rows narrowed the same way (sequence numbers
-  and timestamps are nearly arithmetic: their steps fit 1–4 bytes, and the first
-  value is then stored relative to the dump time for time columns), or a small
-  dictionary of distinct values with one-byte indices (op and dtype hashes,
-  call sites, states). Multi-byte values are byte-shuffled (all low bytes, then
-  the next...) so that the compressor sees runs.
+  added to ``RankDigest`` later travels without changing this module): the
+  batch's values of one field are one column, each rank a segment of it,
+  stored in the cheapest of three forms, judged by bytes before compression:
+  the values narrowed to the smallest integer type that holds them (an int64
+  ``seq`` of a 2000-entry ring fits int16); the differences between
+  consecutive rows narrowed the same way (sequence numbers and timestamps are
+  nearly arithmetic: their steps fit 1–4 bytes), every segment restarting from
+  its own first value, stored relative to the rank's dump time for time columns;
+  or a dictionary of at most 256 distinct values with one-byte indices (op and
+  dtype hashes, call sites, sizes). Multi-byte values are byte-shuffled (all low
+  bytes, then the next...) so that the compressor sees runs.
 * **Group membership once per batch**: every distinct ``GroupInfo`` goes into a
   batch-wide table and a digest refers to its groups by index; members that form
   an arithmetic progression (the default group, DP groups) are sent as
@@ -26,9 +27,9 @@ How, per batch of digests (one host's batch):
 * **Stacks once per batch**: frames and stacks (of the kept entry details, the
   threads, the death record) are tables shared by the whole batch; a stack is a
   list of frame indices, a frame indices into one string table.
-* **Details as columns**: the kept :class:`EntryDetail` records (the tail and
-  the unfinished entries) are stored field by field, strings as indices into the
-  batch's string table.
+* **Details as one matrix**: the kept :class:`EntryDetail` records of the
+  batch (each rank's tail and unfinished entries) are one int64 matrix, a row
+  per field, strings and stacks as indices into the batch's tables.
 * everything else (scalars, small tuples) is msgpack, and the whole batch is
   compressed with zlib (or lzma, slower but smaller).
 
