@@ -309,6 +309,6 @@ def test_a_wait_chain_longer_than_the_recursion_limit_ends_at_its_root() -> None
         if 0 < i < n - 1:
             rk.coll(f"p{i - 1}", "scheduled")
         ranks.append(rk)
-    ctx, graph = _analysis(ranks)
+    _ctx, graph = _analysis(ranks)
     assert list(graph.roots) == [n - 1]
     assert graph.roots[n - 1].waiters == set(range(n - 1))

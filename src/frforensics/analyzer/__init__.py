@@ -39,6 +39,7 @@ _KIND_ORDER = [
     FindingKind.MISSING_DUMP,
     FindingKind.TIMEOUT,
     FindingKind.STRAGGLER,
+    FindingKind.INCOMPLETE_DUMP,
 ]
 
 
