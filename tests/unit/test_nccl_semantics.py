@@ -312,3 +312,15 @@ def test_a_wait_chain_longer_than_the_recursion_limit_ends_at_its_root() -> None
     _ctx, graph = _analysis(ranks)
     assert list(graph.roots) == [n - 1]
     assert graph.roots[n - 1].waiters == set(range(n - 1))
+
+
+def test_coalesced_block_whose_members_all_use_another_dtype_is_a_dtype_mismatch() -> None:
+    ranks = [Rank(r, WORLD).coll("0", "completed") for r in range(4)]
+    for rk in ranks:
+        rk.coalesced("0", "scheduled", members=2)
+        if rk.rank == 3:  # both members Half where the peers use Float
+            for e in rk.entries[-3:-1]:
+                e["input_dtypes"] = ["Half"]
+    report = run(ranks)
+    assert report.culprit_ranks == (3,)
+    assert report.findings[0].kind is FindingKind.DTYPE_MISMATCH

@@ -53,8 +53,13 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
     seq, op, dtype, size = seq[order], op[order], dtype[order], size[order]
     starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
     if len(starts) != len(seq):  # coalesced units: combine their entries
-        op = np.bitwise_xor.reduceat(op, starts)
-        dtype = np.bitwise_xor.reduceat(dtype, starts)
+        # order-aware sum (the k-th entry weighted 2k+1): XOR would cancel two
+        # members with the same op or dtype, hiding a rank whose block is all Float
+        # where its peers' is all BFloat16; one-entry units keep their own hash
+        pos = np.arange(len(seq)) - np.repeat(starts, np.diff(np.r_[starts, len(seq)]))
+        weight = (2 * pos + 1).astype(np.uint64)
+        op = np.add.reduceat(op.astype(np.uint64) * weight, starts).view(np.int64)
+        dtype = np.add.reduceat(dtype.astype(np.uint64) * weight, starts).view(np.int64)
         unchecked = np.minimum.reduceat(size, starts) < 0
         size = np.where(unchecked, -1, np.add.reduceat(size, starts))
         seq = seq[starts]
