@@ -21,9 +21,10 @@ Where the dumps are:
   address. A host in the manifest that no worker runs on becomes load problems
   for its files right away.
 
-Failures never hang the client: a task that fails (a worker killed while it
-decoded, after the scheduler's retries), a host all of whose workers left the
-cluster, and a host that has not finished within ``host_deadline_s`` become
+Failures never hang the client: a task that fails (it raised on the worker, or
+its result could not come back: that batch only), a host all of whose workers
+left the cluster (killed, lost), and a host that has not finished within
+``host_deadline_s`` become
 :class:`~frforensics.report.LoadProblem`\\ s naming the files (so the ranks)
 that were not read; the verdict is given on the rest, and ranks expected from
 the job's groups but not read are the report's missing ranks.
