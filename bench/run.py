@@ -181,6 +181,7 @@ def _bench_dask(args: argparse.Namespace) -> None:
     out = ROOT / "results" / "last-report.json.tmp"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, Any]] = []
+    extra = ""
     with distributed.LocalCluster(n_workers=args.jobs, threads_per_worker=1, processes=True,
                                   dashboard_address=None, silence_logs=40) as cluster:
         address = cluster.scheduler_address
@@ -208,14 +209,12 @@ def _bench_dask(args: argparse.Namespace) -> None:
                       f"{run.cpu_s:8.2f} s cpu {run.peak_rss_bytes / 2**30:6.2f} GiB "
                       f"rc={run.returncode} loaded={row[f'{tool} loaded']}", flush=True)
             rows.append(row)
-            _dask_table(rows, args, stamp)  # after every set: a cut-short run keeps what it measured
-        if not args.no_profile and rows:
-            big = max((r for r in rows if r["format"] == "frdump"), key=lambda r: r["ranks"] * r["entries"],
-                      default=rows[-1])
-            path = args.data / f"clone-{big['ranks']}-{big['entries']}" / big["format"]
-            text = _profile_dask(path, address)
-            _dask_table(rows, args, stamp, extra=f"\n## Profile of the central process, "
-                        f"{big['ranks']} × {big['entries']} {big['format']}\n\n```\n{text}```\n")
+            _dask_table(rows, args, stamp, extra=extra)  # after every set: a run cut short keeps it
+            if not args.no_profile and spec == args.dask_profile:
+                # right after its set: a run cut short still has it
+                extra = (f"\n## Profile of the central process, {ranks} × {entries} {fmt}\n\n"
+                         f"```\n{_profile_dask(path, address)}```\n")
+                _dask_table(rows, args, stamp, extra=extra)
 
 
 def _profile_dask(path: Path, address: str) -> str:
@@ -284,6 +283,8 @@ def main() -> None:
                     default="16384:2000:frdump,16384:500:frdump,32768:250:frdump,4096:2000:native",
                     help="RANKS:ENTRIES:FORMAT of the cloned sets for --dask (frdump or native)")
     ap.add_argument("--dask-timeout", type=float, default=900.0, help="seconds per run")
+    ap.add_argument("--dask-profile", default="16384:2000:frdump",
+                    help="the set whose central process is profiled (right after its runs)")
     args = ap.parse_args()
     if args.dask:
         (ROOT / "results").mkdir(exist_ok=True)
