@@ -172,6 +172,7 @@ def encode(trace: RankTrace) -> bytes:
         "stale_peers": [{"rank": p.rank, "age_s": p.age_s} for p in trace.stale_peers],
         "death": death,
         "notes": list(trace.notes),
+        "unrecorded_ops": trace.unrecorded_ops,
     }
     packed: bytes = msgpack.packb(doc, use_bin_type=True)
     return MAGIC + packed
@@ -375,4 +376,5 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
         ),
         death=death,
         notes=tuple(str(x) for x in doc.get("notes") or []),
+        unrecorded_ops=max(_opt_int(doc, "unrecorded_ops", source) or 0, 0),
     )

@@ -642,6 +642,25 @@ class _Header(NamedTuple):
     rank_from: str
     config: dict[str, tuple[str, tuple[int, ...] | None]]
     notes: tuple[str, ...] = ()
+    #: sum over groups of ``pg_status[...]["last_enqueued_collective"]`` (None: absent)
+    enqueued_total: int | None = None
+
+
+def _enqueued_total(pg_status: Any) -> int | None:
+    """Sum of every group's ``last_enqueued_collective`` (ints in pickles, strings in JSON)."""
+    if not isinstance(pg_status, Mapping):
+        return None
+    total = 0
+    for status in pg_status.values():
+        if not isinstance(status, Mapping):
+            return None
+        raw = status.get("last_enqueued_collective")
+        if isinstance(raw, str) and raw.lstrip("-").isdigit() and len(raw) < 19:
+            raw = int(raw)
+        if not isinstance(raw, int) or isinstance(raw, bool) or not -1 <= raw < 1 << 53:
+            return None
+        total += max(raw, 0)
+    return total
 
 
 #: the newest schema this reader was written against (torch 2.13-2.15 write "2.10")
@@ -706,7 +725,8 @@ def _header(
     entries = doc.get("entries")
     if not scanned and isinstance(entries, list) and entries and isinstance(entries[0], Mapping):
         unknown |= {f"entries[].{k}" for k in entries[0] if k not in _KNOWN_ENTRY_KEYS}
-    return _Header(version, rank, rank_from, config, _version_notes(version, unknown))
+    return _Header(version, rank, rank_from, config, _version_notes(version, unknown),
+                   _enqueued_total(doc.get("pg_status")))
 
 
 def _detail_rows(cols: _Columns, n: int, detail_tail: int | None) -> Iterable[int]:
@@ -736,6 +756,7 @@ def _assemble(
         backend = next(iter(ctx.backends))
         group_tuple = tuple(GroupInfo(g.name, g.desc, g.ranks, backend) for g in group_tuple)
     op_lut = np.array([k[0] for k in ctx.op_kinds] or [NO_INDEX], dtype=np.int32)
+    unrecorded = _unrecorded_ops(cols, ctx, header)
     table = EntryTable.from_columns(
         n,
         {
@@ -772,7 +793,26 @@ def _assemble(
         stacks=stacks,
         entries=table,
         notes=header.notes,
+        unrecorded_ops=unrecorded,
     )
+
+
+def _unrecorded_ops(cols: _Columns, ctx: _Context, header: _Header) -> int:
+    """Ops gloo counted in ``pg_status`` but never recorded (its send/recv).
+
+    On gloo every work bumps the group's ``seq_`` (``last_enqueued_collective``)
+    while only collectives are recorded, each with its own
+    ``collective_seq_id``; the difference of the sums over groups is the rank's
+    p2p ops. NCCL's ``pg_status`` mixes p2p and collective seqs differently (and
+    NCCL records p2p), so this is computed for gloo dumps only.
+    """
+    if header.enqueued_total is None or ctx.backends != {"gloo"} or not len(cols.seq):
+        return 0
+    coll = cols.is_p2p == 0
+    recorded = 0
+    for g in np.unique(cols.pg[coll]).tolist():
+        recorded += max(int(cols.seq[coll & (cols.pg == g)].max()), 0)
+    return max(header.enqueued_total - recorded, 0)
 
 
 # ---- the C scanner's path -------------------------------------------------------
