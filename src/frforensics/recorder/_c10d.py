@@ -437,11 +437,10 @@ def _install_helper() -> None:
         except Exception as exc:
             if req.failure is None:
                 raise  # torch's own error, as it would have raised it
-            rec.unrecorded.append(f"{backend} group {req.group_desc or '?'}: "
-                                  f"{type(exc).__name__}: {exc}")
-            say(f"group {req.group_desc or '?'} ({backend}) not recorded: creating the "
-                f"backend failed under the recorder ({type(exc).__name__}: {exc}); "
-                "created by torch as usual")
+            what = f"group {bound.arguments.get('group_name')} ({backend})"
+            rec.unrecorded.append(f"{what}: {type(exc).__name__}: {exc}")
+            say(f"{what} not recorded: creating its backend under the recorder failed "
+                f"({type(exc).__name__}: {exc}); created by torch as usual")
             return original(*args, **kwargs)
         finally:
             _request.value = previous

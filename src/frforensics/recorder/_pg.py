@@ -97,11 +97,13 @@ def _push(st: GroupState, pending: deque[Tracked], entry: Entry, work: Any) -> N
     """Make ``(entry, work)`` the group's newest op; settle the previous one.
 
     Most ops are finished when the next one is issued (``dist.*`` waits on
-    them): those are stamped here and dropped at once, so the watchdog only
-    ever looks at each group's newest op and at the few ops still running when
-    their successor was issued (``pending``). The stamp is no later than the
-    watchdog's would have been. CUDA works go to the watchdog (``is_completed``
-    queries events there, not on the training thread).
+    them): those are stamped ``completed`` here, so the watchdog only polls each
+    group's newest op and the few ops still running when their successor was
+    issued. The stamp is no later than the watchdog's would have been. Either
+    way the op goes to ``pending``: the watchdog reads a stamped op's result
+    once (a failed op followed by more ops stays ``failed``) and drops it; the
+    training thread never pays for reading results. CUDA works go to the
+    watchdog unstamped (``is_completed`` queries events there).
     """
     prev = st.last
     st.last = (entry, work)
@@ -111,8 +113,7 @@ def _push(st: GroupState, pending: deque[Tracked], entry: Entry, work: Any) -> N
             if not st.cuda and prev[1].is_completed():
                 pe[16] = _mono()  # R.T_COMPLETE
                 pe[13] = 2
-            else:
-                pending.append(prev)
+            pending.append(prev)
 
 
 class RecordedWork(dist.Work):  # type: ignore[misc]

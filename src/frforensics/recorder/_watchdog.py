@@ -221,14 +221,21 @@ class Watchdog(threading.Thread):
             _die_of(signum)
 
     def _teardown_dump(self, signum: int) -> None:
-        with self.teardown_lock:
+        # Both the watchdog (wakeup fd) and the main thread's handler see the
+        # signal: the first dumps, the second waits for that dump before going on
+        # to the previous handler (bounded, should the main thread itself be
+        # inside a dump the watchdog waits on).
+        if not self.teardown_lock.acquire(timeout=5.0):
+            return
+        try:
             if signum in self.teardown_seen:
                 return
             self.teardown_seen.add(signum)
-        if self.rec.hang_dump_written:
-            return  # the hang's dump is the evidence; the teardown adds nothing to it
-        name = _signal_name(signum)
-        self.writer.dump(DumpReason.SIGNAL, f"received {name} (teardown)")
+            if self.rec.hang_dump_written:
+                return  # the hang's dump is the evidence; the teardown adds nothing to it
+            self.writer.dump(DumpReason.SIGNAL, f"received {_signal_name(signum)} (teardown)")
+        finally:
+            self.teardown_lock.release()
 
     # ------------------------------------------------------------ loop
 
@@ -281,7 +288,13 @@ class Watchdog(threading.Thread):
         pending = rec.pending
         tracked = self.tracked
         while pending:
-            tracked.append(pending.popleft())
+            item = pending.popleft()
+            if item[0][R.STATE] == R.COMPLETED:
+                # Stamped on the next-op path, which does not read results.
+                if work_failed(item[1]):
+                    item[0][R.STATE] = R.FAILED
+                continue
+            tracked.append(item)
         now = time.monotonic_ns()
         deadline_ns = int(rec.config.timeout_s * 1e9)
         oldest: Entry | None = None
