@@ -15,7 +15,6 @@ import sys
 
 import pytest
 
-
 pytestmark = [pytest.mark.slow, pytest.mark.torch215]
 
 
