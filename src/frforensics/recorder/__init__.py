@@ -144,7 +144,7 @@ def start(config: RecorderConfig) -> Session | None:
             _stop(old)
         rec = Recorder(config)
         writer = DumpWriter(rec)
-        writer.native_source = _c10d.native_dump_bytes
+        writer.native_source = _c10d.native_dumps
         sess = Session(rec, writer)
         rec.group_listeners.append(lambda _state: _start_watchdog(sess))
         for missing in probes.degraded:

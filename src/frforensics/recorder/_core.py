@@ -212,8 +212,11 @@ class Recorder:
     def dump_path(self) -> Path:
         return self.config.dump_dir / f"frdump_rank_{self.current_rank()}"
 
-    def native_dump_path(self) -> Path:
-        return self.config.dump_dir / f"nccl_trace_rank_{self.current_rank()}"
+    def native_dump_path(self, key: str | None = None) -> Path:
+        """Where PyTorch's dump goes: the main one, or the one of native recorder ``key``."""
+        stem = "nccl_trace" if not key else "nccl_trace_" + "".join(
+            c if c.isalnum() else "-" for c in key)
+        return self.config.dump_dir / f"{stem}_rank_{self.current_rank()}"
 
     # ------------------------------------------------------------ store coordination
 

@@ -173,7 +173,10 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def __init__(self, recorder: Recorder, state: GroupState, rank: int, size: int,
                  backends: dict[str, Any], default_device: str) -> None:
-        # ``backends``: device type -> the real backend torch's creator built.
+        # ``backends``: device type -> what serves that device's ops: the backend
+        # torch's creator built, or (torch 2.15, backends that do not record
+        # themselves) a plain ProcessGroup over it carrying torch's
+        # FlightRecorderHook, whose hooks fire only on c10d's dispatcher path.
         super().__init__(rank, size)
         self._frf_rec = recorder
         self._frf_state = state
@@ -183,6 +186,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # One backend object for every device (plain "gloo" maps cpu and cuda to it).
         self._frf_single = len({id(b) for b in backends.values()}) == 1
         self._frf_cuda = bool(state.cuda)
+        self._frf_fr_hook: Any = None  # torch's FlightRecorderHook handle, if any
 
     # ------------------------------------------------------------ plumbing
 
@@ -469,15 +473,22 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _start_coalescing(self, device: Any) -> None:
         st = self._frf_state
-        self._frf_inner_for_device(device)._start_coalescing()  # Backend's takes no device
+        inner = self._frf_inner_for_device(device)
+        if isinstance(inner, dist.ProcessGroup):  # a hooked inner group takes the device
+            inner._start_coalescing(device)
+        else:
+            inner._start_coalescing()  # Backend's takes no device
         st.block_id = self._frf_rec.next_block_id()
         st.block_p2p = -1
 
     def _end_coalescing(self, device: Any) -> Any:
         st = self._frf_state
-        inner_pg = self._frf_inner_for_device(device)
+        inner = self._frf_inner_for_device(device)
         try:
-            work = inner_pg._end_coalescing()
+            if isinstance(inner, dist.ProcessGroup):
+                work = inner._end_coalescing(device)
+            else:
+                work = inner._end_coalescing()
         finally:
             block, kind = st.block_id, st.block_p2p
             st.block_id = -1
