@@ -329,7 +329,7 @@ def build_group(recorder: Recorder, req: GroupRequest, opts: Any,
     dispatch, hook = _hooked_dispatch(req, opts, dmap, backends, default_device, ranks,
                                       prefix_store, bound)
     pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, dispatch,
-                               default_device)
+                               default_device, store=prefix_store)
     pg._frf_fr_hook = hook
     for device, inner in backends.items():
         pg._register_backend(torch.device(device), _backend_type(dmap[device]), inner)
@@ -450,6 +450,8 @@ def install(recorder: Recorder) -> None:
         _install_helper()
     if "batch" not in _installed and not _optional_missing():
         _install_batch()
+    if "split" not in _installed and callable(getattr(c10d, "split_group", None)):
+        _install_split()
 
 
 def _install_helper() -> None:
@@ -581,6 +583,106 @@ def _install_batch() -> None:
     c10d.batch_isend_irecv = batch_isend_irecv
     if dist.batch_isend_irecv is original_batch:
         dist.batch_isend_irecv = batch_isend_irecv
+
+
+def _install_split() -> None:
+    original = c10d.split_group
+
+    def split_group(*args: Any, **kwargs: Any) -> Any:
+        pg = original(*args, **kwargs)
+        rec = _installed.get("recorder")
+        if (rec is None or not isinstance(pg, dist.ProcessGroup)
+                or isinstance(pg, RecordingProcessGroup)):
+            return pg
+        try:
+            backend = str(c10d._world.pg_map[pg][0])
+            if not _routes(rec, backend):
+                return pg
+            return wrap_split(rec, pg, backend)
+        except Exception as exc:
+            name = getattr(pg, "group_name", "?")
+            rec.unrecorded.append(f"split group {name}: {type(exc).__name__}: {exc}")
+            say(f"split group {name} not recorded ({type(exc).__name__}: {exc}); "
+                "it works as torch made it")
+            return pg
+
+    split_group.__wrapped__ = original  # type: ignore[attr-defined]
+    _installed["split"] = original
+    c10d.split_group = split_group
+    if getattr(dist, "split_group", None) is original:
+        dist.split_group = split_group
+    mesh: Any = sys.modules.get("torch.distributed.device_mesh")
+    if mesh is not None and getattr(mesh, "split_group", None) is original:
+        mesh.split_group = split_group  # DeviceMesh imported it by name
+
+
+_WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                 "pg_coalesce_state", "pg_flight_recorder_hooks")
+
+
+def wrap_split(rec: Recorder, split: Any, backend: str) -> RecordingProcessGroup:
+    """The recording wrapper around a group ``split_group`` made, put in its place.
+
+    ``split_group`` builds its group with the parent's C++ ``splitGroup`` (no
+    creator runs), registers it in ``_world`` and c10d's group registry, and on
+    2.15 attaches torch's FlightRecorderHook to it. The wrapper serves each device
+    with the split backend (self-recording ones) or through the split group itself
+    (so the hook still fires), and takes the split group's place in every
+    ``_world`` table and in the registry (functional collectives resolve groups by
+    name there). The split group stays alive as the wrapper's inner group.
+    """
+    world = c10d._world
+    devices = [str(d.type) for d in split._device_types]
+    full = _device_map(backend)
+    dmap = {d: full.get(d, backend) for d in devices}
+    backends = {d: split._get_backend(torch.device(d)) for d in devices}
+    mapping = world.pg_group_ranks[split]  # global rank -> group rank
+    ranks = tuple(int(g) for g, _ in sorted(mapping.items(), key=lambda kv: kv[1]))
+    default_device = ("cuda" if "cuda" in backends and any(
+        n.startswith("nccl") for n in dmap.values()) else devices[0])
+    timeout_ms = 0
+    with contextlib.suppress(Exception):
+        timeout_ms = int(backends[default_device].options._timeout.total_seconds() * 1000)
+    state = rec.new_group(name=str(split.group_name), desc=str(split.group_desc), ranks=ranks,
+                          backend=backend, timeout_ms=timeout_ms)
+    state.cuda = "cuda" in backends and _cuda_available()
+    hooks = getattr(world, "pg_flight_recorder_hooks", None)
+    hooked = isinstance(hooks, dict) and hooks.get(split) is not None
+    dispatch = {d: (split if hooked and not _self_recording(dmap[d]) else be)
+                for d, be in backends.items()}
+    store = None
+    with contextlib.suppress(Exception):
+        store = split.get_group_store()
+    pg = RecordingProcessGroup(rec, state, split.rank(), split.size(), dispatch, default_device,
+                               store=store)
+    pg._frf_split_from = split
+    for d, be in backends.items():
+        pg._register_backend(torch.device(d), _backend_type(dmap[d]), be)
+        _note_native_source(dmap[d], be)
+    pg._set_default_backend(_backend_type(dmap[default_device]))
+    pg._set_group_name(str(split.group_name))
+    pg._set_group_desc(str(split.group_desc))
+    if split.bound_device_id is not None:
+        pg.bound_device_id = split.bound_device_id
+    _replace_in_world(split, pg)
+    return pg
+
+
+def _replace_in_world(old: Any, new: Any) -> None:
+    world = c10d._world
+    for table in _WORLD_TABLES:
+        d = getattr(world, table, None)
+        if isinstance(d, dict) and old in d:
+            d[new] = d.pop(old)
+    tags = getattr(world, "tags_to_pg", None)
+    if isinstance(tags, dict):
+        for members in tags.values():
+            for k, member in enumerate(members):
+                if member is old:
+                    members[k] = new
+    name = world.pg_names[new]
+    c10d._unregister_process_group(name)
+    c10d._register_process_group(name, new)
 
 
 def uninstall() -> None:

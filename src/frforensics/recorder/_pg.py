@@ -172,12 +172,17 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     """A process group that records each op into the recorder's ring, then forwards it."""
 
     def __init__(self, recorder: Recorder, state: GroupState, rank: int, size: int,
-                 backends: dict[str, Any], default_device: str) -> None:
+                 backends: dict[str, Any], default_device: str, store: Any = None) -> None:
+        # ``store``: the group's store (torch's helper builds every group with one;
+        # c10d's C++ ``splitGroup`` derives the split groups' stores from it).
         # ``backends``: device type -> what serves that device's ops: the backend
         # torch's creator built, or (torch 2.15, backends that do not record
         # themselves) a plain ProcessGroup over it carrying torch's
         # FlightRecorderHook, whose hooks fire only on c10d's dispatcher path.
-        super().__init__(rank, size)
+        if store is not None:
+            super().__init__(store, rank, size)
+        else:
+            super().__init__(rank, size)
         self._frf_rec = recorder
         self._frf_state = state
         self._frf_backends = backends
@@ -187,6 +192,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._frf_single = len({id(b) for b in backends.values()}) == 1
         self._frf_cuda = bool(state.cuda)
         self._frf_fr_hook: Any = None  # torch's FlightRecorderHook handle, if any
+        self._frf_split_from: Any = None  # the group split_group made, kept alive
 
     # ------------------------------------------------------------ plumbing
 
