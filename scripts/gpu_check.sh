@@ -10,9 +10,9 @@
 #   torch 2.13: nccl, "cpu:gloo,cuda:nccl"
 # Per backend: the wrapped group's inner CUDA backend is the class torch's registered
 # creator builds; every op is recorded with its device, CUDA start events stamped
-# (stream state), batch_isend_irecv kept batched and _coalescing_manager blocks closed by
-# a `coalesced` entry; torch's own dump is saved beside ours (2.15 nccl2: the entries of
-# torch's FlightRecorderHook); a hang dumps on the watchdog deadline (and the peer on the
+# (stream state), batch_isend_irecv kept batched, _coalescing_manager blocks closed by
+# a `coalesced` entry, split_group and DeviceMesh groups recorded; torch's own dump is
+# saved beside ours (2.15 nccl2: the entries of torch's FlightRecorderHook); a hang dumps on the watchdog deadline (and the peer on the
 # flag); a rank blocked inside NCCL dumps on SIGTERM and dies of SIGTERM.
 # World size 2 with >= 2 GPUs, else 1 (a sleeping kernel stands in for the missing peer).
 # Under 4 minutes per backend; exit 0 when every check passed.

@@ -67,6 +67,13 @@ if world_size >= 2:
     res["p2p_ok"] = bool(buf.sum().item() == 16)
 cpu = torch.ones(4); dist.all_reduce(cpu) if ":" in BACKEND else None
 sub = dist.new_group(list(range(world_size))); dist.all_reduce(x, group=sub)
+sp = dist.split_group(split_ranks=[list(range(world_size))], group_desc="split")
+dist.all_reduce(x, group=sp)   # split from the bound default group (ncclCommSplit)
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cuda", (world_size,), mesh_dim_names=("dp",))
+dist.all_reduce(x, group=mesh.get_group("dp"))
+res["split_type"] = type(sp).__name__
+res["mesh_type"] = type(mesh.get_group("dp")).__name__
 torch.cuda.synchronize(); time.sleep(0.5)   # let the watchdog read the CUDA events
 pg = dist.group.WORLD
 res["wrapped"] = type(pg).__name__
@@ -83,6 +90,7 @@ res["states"] = sorted({int(s) for s in e.state})
 res["started_stamped"] = int(sum(1 for i in range(len(e)) if e.t_start_ns[i] > 0))
 res["n"] = len(e)
 res["coalesced"] = int(sum(1 for o in ops_ if o == "coalesced"))
+res["group_descs"] = sorted({tr.groups[int(e.pg[i])].desc for i in range(len(e))})
 res["native"] = {}
 for f in sorted(os.listdir(DUMP_DIR)):
     if f.startswith("nccl_trace") and f.endswith(f"_rank_{rank}"):
@@ -136,6 +144,8 @@ def test_gpu_ops_are_recorded_with_stream_state_batching_and_native_dumps(run_jo
         assert res["started_stamped"] > 0  # CUDA events say when the stream got there
         assert res["coalesced"] >= (2 if WS >= 2 else 1)
         assert res["native"], "torch's own dump is saved beside ours"
+        assert res["split_type"] == res["mesh_type"] == "RecordingProcessGroup", res
+        assert "split" in res["group_descs"], res
 
 
 @pytest.mark.timeout(240)
