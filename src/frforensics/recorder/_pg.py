@@ -31,6 +31,22 @@ dist: Any = _dist
 c10d: Any = _c10d
 
 
+# torch 2.15's trampoline takes the (store, rank, size) constructor for a Python
+# subclass; 2.13's raises ("not an alias instance") and has no C++ split path
+# that needs the store. Probed once, on a throwaway subclass.
+def _store_ctor_works() -> bool:
+    class _Probe(dist.ProcessGroup):  # type: ignore[misc]
+        pass
+
+    try:
+        _Probe(dist.HashStore(), 0, 1)
+    except Exception:
+        return False
+    return True
+
+
+_STORE_CTOR = _store_ctor_works()
+
 _mono = time.monotonic_ns
 _get_ident = threading.get_ident
 _getframe = sys._getframe
@@ -179,7 +195,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # torch's creator built, or (torch 2.15, backends that do not record
         # themselves) a plain ProcessGroup over it carrying torch's
         # FlightRecorderHook, whose hooks fire only on c10d's dispatcher path.
-        if store is not None:
+        if store is not None and _STORE_CTOR:
             super().__init__(store, rank, size)
         else:
             super().__init__(rank, size)
