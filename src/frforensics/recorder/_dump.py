@@ -267,6 +267,8 @@ class DumpWriter:
              automatic: bool = False, native: bool = True) -> Path | None:
         """Write this rank's dump now. Never raises; returns the path or None."""
         rec = self.rec
+        if not rec.owns_process():
+            return None  # a forked child: the rank's dump belongs to its parent
         try:
             with self.lock:
                 if automatic and reason in (DumpReason.EXCEPTION, DumpReason.EXIT):
