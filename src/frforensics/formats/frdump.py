@@ -251,7 +251,7 @@ def _section(doc: Mapping[str, Any], key: str, kind: type, source: str) -> Any:
 
 
 def _records(doc: Mapping[str, Any], key: str, source: str) -> list[dict[str, Any]]:
-    items = _section(doc, key, list, source)
+    items: list[dict[str, Any]] = _section(doc, key, list, source)
     if not all(isinstance(x, dict) for x in items):
         raise CorruptDumpError(f"{source}: {key!r} holds something other than records")
     return items

@@ -25,7 +25,7 @@ class Limits:
     #: ... and to at most ``max_archive_ratio`` times its own size, beyond
     #: ``archive_ratio_floor_bytes`` (small archives of tiny dumps compress well).
     max_archive_ratio: int = 200
-    archive_ratio_floor_bytes: int = 256 << 20
+    archive_ratio_floor_bytes: int = 64 << 20
     #: Members of one archive (a central directory of millions of names is a bomb too).
     max_archive_members: int = 1 << 20
     #: Entries of one rank's ring buffer (PyTorch's default ring holds 2,000).

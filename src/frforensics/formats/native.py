@@ -127,8 +127,12 @@ def check_pickle(data: bytes) -> str | None:
     opcodes and memo indices past the size of the file (which make the unpickler
     allocate gigabytes before failing) are refused.
     """
-    if _picklescan is not None:
-        return _picklescan.check(data)
+    checker: Callable[[bytes], str | None] = getattr(_picklescan, "check", _check_pickle_python)
+    return checker(data)
+
+
+def _check_pickle_python(data: bytes) -> str | None:
+    """:func:`check_pickle` where the C scanner is not compiled (slower, same rules)."""
     import pickletools
 
     limit = len(data)
@@ -466,9 +470,11 @@ def _bulk_numel(column: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> np.nd
     keys = list(map(id, column))
     distinct = dict(zip(keys, column, strict=True))
     if len(distinct) < len(column):
-        numel = _bulk_numel(list(distinct.values()), limits)
+        once = _bulk_numel(list(distinct.values()), limits)
         row_of = dict(zip(distinct, range(len(distinct)), strict=True))
-        return numel[np.fromiter(map(row_of.__getitem__, keys), dtype=np.intp, count=len(keys))]
+        shared: np.ndarray = once[np.fromiter(map(row_of.__getitem__, keys), dtype=np.intp,
+                                              count=len(keys))]
+        return shared
     shapes = list(chain.from_iterable(column))
     if not set(map(type, shapes)) <= _SEQ_TYPES:
         raise _Irregular

@@ -170,8 +170,8 @@ def _walk(root: str, seen: set[tuple[int, int]], limits: Limits) -> Iterator[Dum
     errors: list[OSError] = []
     for dirpath, dirnames, filenames in os.walk(root, onerror=errors.append):
         while errors:
-            exc = errors.pop()
-            yield LoadProblem(str(exc.filename or dirpath), f"cannot list: {exc.strerror or exc}")
+            err = errors.pop()
+            yield LoadProblem(str(err.filename or dirpath), f"cannot list: {err.strerror or err}")
         # symlinked directories are not entered (os.walk's default): no loops, no escapes
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         for name in sorted(filenames):
@@ -187,8 +187,8 @@ def _walk(root: str, seen: set[tuple[int, int]], limits: Limits) -> Iterator[Dum
                 continue  # a symlink to a directory
             yield from _candidate(full, st, seen, limits, explicit=False)
     while errors:
-        exc = errors.pop()
-        yield LoadProblem(str(exc.filename or root), f"cannot list: {exc.strerror or exc}")
+        err = errors.pop()
+        yield LoadProblem(str(err.filename or root), f"cannot list: {err.strerror or err}")
 
 
 def _candidate(path: str, st: os.stat_result, seen: set[tuple[int, int]], limits: Limits,
