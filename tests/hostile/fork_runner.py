@@ -37,7 +37,8 @@ def _warm_up(run: object, cases: dict[str, dict[str, object]]) -> None:
 
 
 def main() -> None:
-    cases = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as fh:
+        cases = json.load(fh)
     limit = int(os.environ.get("HOSTILE_AS_BYTES", str(int(1.5 * (1 << 30)))))
     timeout = int(os.environ.get("HOSTILE_TIMEOUT_S", "30"))
     # imported once (the CLI imports these lazily): every child starts warm

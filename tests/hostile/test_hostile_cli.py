@@ -18,9 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 import hostile_corpus
+import pytest
 
 ADDRESS_SPACE = int(1.5 * (1 << 30))
 TIMEOUT_S = 30

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from frforensics.analyzer import analyze, load_dumps
-from frforensics.formats import decode_dump
+from frforensics.formats import decode_dump, read_sources
 from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.report import (
     Finding,
@@ -25,7 +25,6 @@ from frforensics.report import (
     TimelineOp,
 )
 from frforensics.reporting import FORMATS, render, write_all
-from frforensics.formats import read_sources
 from frforensics.reporting.timeline import trace_events, write_timeline
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "native"
