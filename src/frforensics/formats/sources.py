@@ -193,13 +193,13 @@ def _walk(root: str, seen: set[tuple[int, int]], limits: Limits) -> Iterator[Dum
 
 def _candidate(path: str, st: os.stat_result, seen: set[tuple[int, int]], limits: Limits,
                *, explicit: bool) -> Iterator[DumpSource | LoadProblem]:
-    if not stat.S_ISREG(st.st_mode):
-        yield LoadProblem(path, f"{_kind_word(st.st_mode)}, not a dump file: skipped unread")
-        return
     key = (st.st_dev, st.st_ino)
     if key in seen:
         return  # the same file named twice, or reached again through a link
     seen.add(key)
+    if not stat.S_ISREG(st.st_mode):
+        yield LoadProblem(path, f"{_kind_word(st.st_mode)}, not a dump file: skipped unread")
+        return
     kind = _archive_kind(path)
     if kind is None:
         yield DumpSource(label=path, path=path, explicit=explicit)
