@@ -64,7 +64,7 @@ _scalars = st.one_of(
 _values = st.recursive(
     _scalars,
     lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.one_of(st.text(max_size=8), st.integers()), inner,
+                            st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-(2**63), 2**63 - 1)), inner,
                                             max_size=3)),
     max_leaves=8,
 )
