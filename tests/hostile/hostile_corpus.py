@@ -101,6 +101,44 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
 
 
+#: What the load problem must say, for cases where a weaker outcome (out of
+#: memory under the cap, a timeout) would otherwise pass; None: no problem at all.
+EXPECTED_PROBLEM: dict[str, str | None] = {
+    "fifo": "a FIFO, not a dump file",
+    "symlink_to_fifo": "a FIFO, not a dump file",
+    "symlink_to_dev_zero": "a device, not a dump file",
+    "socket": "a socket, not a dump file",
+    "symlink_loop": "symlink loop",
+    "broken_symlink": "link to nothing",
+    "same_file_twice": None,
+    "symlinked_dir_loop": None,
+    "huge_trailing_number": "cannot tell which rank",
+    "timestamp_name": "cannot tell which rank",
+    "zip_bomb": "expands to more than",
+    "tar_gz_bomb": "expands to more than",
+    "encrypted_zip": "encrypted zip member",
+    "unsupported_zip_method": "compression method 93 is not supported",
+    "corrupt_deflate": "corrupt zip member",
+    "corrupt_xz": "cannot read archive",
+    "corrupt_tgz_sorts_first": "cannot read archive",
+    "frdump_huge_count_no_columns": "entries (limit",
+    "frdump_state_200": "'state' holds a value outside",
+    "frdump_seq_int64_max": "'seq' holds a value outside",
+    "frdump_rank_-3": "not a plausible rank",
+    "frdump_rank_1000000000": "not a plausible rank",
+    "frdump_world_size_1000000000": "world size 1000000000 is not plausible",
+    "frdump_group_rank_huge": "implausible ranks",
+    "memo_index_fallback": "memo index past the size of the file",
+    "shape_400k_dims": "400000 dims (limit 64)",
+    "native_seq_int64_max": "not plausible",
+    "native_rank_-1": "not a plausible rank",
+    "native_rank_1000000000": "not a plausible rank",
+    "json_deep_nesting": "nests too deeply",
+    "jobs_10000": None,
+}
+#: Peak RSS any case may reach (the worst seen is ~140 MiB).
+MAX_RSS_MIB = 512
+
 #: Cases whose bad file is a readable dump that legitimately changes the verdict
 #: (a rank 9 appears: ranks 4-8 are then missing).
 KEEPS_VERDICT = {"native_group_rank_huge": False}

@@ -83,5 +83,13 @@ def test_hostile_input_is_bounded_and_keeps_the_verdict(
         assert set(hostile_corpus.GOOD_RANKS) <= set(report["ranks_loaded"])
         assert [f["kind"] for f in report["findings"]] == [
             f["kind"] for f in baseline["findings"]]
+    assert run["peak_rss_mib"] < hostile_corpus.MAX_RSS_MIB
     for problem in report["load_problems"]:
         assert "\n" not in problem["error"]
+    if name in hostile_corpus.EXPECTED_PROBLEM:
+        expected = hostile_corpus.EXPECTED_PROBLEM[name]
+        errors = [p["error"] for p in report["load_problems"]]
+        if expected is None:
+            assert errors == []
+        else:
+            assert any(expected in e for e in errors), errors
