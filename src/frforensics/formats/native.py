@@ -32,7 +32,7 @@ import operator
 import os
 import pickle
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain, pairwise, repeat
 from operator import itemgetter
 from typing import Any, Final, NamedTuple, NoReturn
@@ -361,6 +361,12 @@ def _sizes_text(sizes: Any, limits: Limits) -> str:
         return "None"
     if not isinstance(sizes, list | tuple):
         return _cut(_as_str(sizes), limits)
+    if set(map(type, sizes)) <= _SEQ_TYPES:  # the usual case, checked at C speed
+        dims_total = sum(map(len, sizes))
+        if (dims_total <= limits.max_shape_text_dims
+                and max(map(len, sizes), default=0) <= limits.max_dims
+                and set(map(type, chain.from_iterable(sizes))) <= {int}):
+            return str(sizes)
     dims = 0
     for shape in sizes:
         if not isinstance(shape, list | tuple) or not set(map(type, shape)) <= {int}:
@@ -377,6 +383,8 @@ def _dtypes_text(dtypes: Any, limits: Limits) -> str:
         return ""
     if not isinstance(dtypes, list | tuple):
         return _as_str(dtypes)
+    if set(map(type, dtypes)) <= {str} and sum(map(len, dtypes)) + len(dtypes) <= limits.max_string_chars:
+        return ",".join(dtypes)  # the usual case, at C speed
     parts = []
     total = 0
     for part in map(_as_str, dtypes):
@@ -715,15 +723,19 @@ class _Stacks:
         frame_lists: list[Any] = list(map(dict.get, entries, repeat("frames")))
         if not set(map(type, frame_lists)) <= _SEQ_TYPES:
             return np.fromiter(map(self._one, frame_lists), dtype=np.int32, count=n)
-        # one key per distinct list object: an entry list sharing one long
-        # frames list costs that list once, not once per entry
-        key_of: dict[int, tuple[int, ...]] = {}
-        keys = []
-        for frames in frame_lists:
-            key = key_of.get(id(frames))
-            if key is None:
-                key = key_of[id(frames)] = tuple(map(id, frames))
-            keys.append(key)
+        if len(set(map(id, frame_lists))) == n:  # every entry its own list (the usual case)
+            id_maps: Iterator[Iterable[int]] = map(map, repeat(id), frame_lists)
+            keys = list(map(tuple, id_maps))
+        else:
+            # one key per distinct list object: entries sharing one long frames
+            # list cost that list once, not once per entry
+            key_of: dict[int, tuple[int, ...]] = {}
+            keys = []
+            for frames in frame_lists:
+                key = key_of.get(id(frames))
+                if key is None:
+                    key = key_of[id(frames)] = tuple(map(id, frames))
+                keys.append(key)
         self._frames_of_key = dict(zip(keys, frame_lists, strict=True))
         try:
             return np.fromiter(map(self._by_ids.__getitem__, keys), dtype=np.int32, count=n)
