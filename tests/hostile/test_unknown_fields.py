@@ -1,9 +1,8 @@
 """Issue 12, item 3: a dump without a creation time or a timeout is an unknown, never "healthy".
 
 The reader's side (formats/): columns hold 0 (the model's "unknown") and the
-trace says which field was missing. The analyzer's side is the lead's
-(analyzer/): ``test_..._is_never_healthy`` reproduces the bug and is marked
-``xfail(strict=True)`` until it is fixed (then the mark must go).
+trace says which field was missing; the analyzer's side: the verdict says what
+could not be judged and is never HEALTHY.
 """
 
 from __future__ import annotations
@@ -53,8 +52,6 @@ def test_frdump_without_the_column_says_so(column: str) -> None:
     assert any(f"no {column} column" in note for note in back.notes)
 
 
-@pytest.mark.xfail(strict=True, reason="analyzer side of issue 12 item 3 (lead): a dump without "
-                   "time_created_ns/timeout_ms still turns a hang into HEALTHY")
 @pytest.mark.parametrize("fields", [["time_created_ns"], ["timeout_ms"],
                                     ["time_created_ns", "timeout_ms"]])
 def test_dump_without_creation_time_or_timeout_is_never_healthy(
