@@ -170,6 +170,10 @@ class JobBuilder:
         if enabled and self._nccl is not None:
             raise ValueError("nccl() and gloo_style() exclude each other")
         self._gloo = enabled
+        # one name shared by all TP groups comes from NCCL's split_group; gloo jobs
+        # make each group with new_group: every TP group has its own name
+        lay = self.layout
+        self.layout = Layout(tp=lay.tp, dp=lay.dp, pp=lay.pp, shared_tp_name=not enabled)
         return self
 
     def nccl(
@@ -245,6 +249,16 @@ class JobBuilder:
         """``rank`` issues one collective with a different dtype."""
         return self._fault(Fault("dtype_mismatch", (rank,), step, group=group, index=index))
 
+    def collectives_in_step(self, *, rank: int, group: str, step: int) -> int:
+        """How many collectives ``rank`` issues on ``group`` in ``step`` (with the faults so far)."""
+        plan = self._plan()
+        lo, hi = self._step_range(plan, rank, step)
+        cat = plan.cat
+        prog = plan.programs[rank]
+        return sum(1 for pos in range(lo, hi)
+                   if not cat.specs[cat.instrs[prog[pos]].ops[0]].is_p2p
+                   and cat.specs[cat.instrs[prog[pos]].ops[0]].group == group)
+
     def hang_in_op(self, *, rank: int, step: int, group: str = "dp", index: int = 0) -> JobBuilder:
         """Every member enters the collective; ``rank``'s kernel never starts (→ timeout)."""
         return self._fault(Fault("hang_in_op", (rank,), step, group=group, index=index))
@@ -272,6 +286,21 @@ class JobBuilder:
         if self.layout.pp < 2 or self.layout.coords(rank)[2] == self.layout.pp - 1:
             raise ValueError("p2p faults need pp >= 2 and a rank that is not on the last stage")
         return self._fault(Fault("p2p_swap_order", (rank,), step))
+
+    def p2p_send_send(self, *, rank: int, step: int) -> JobBuilder:
+        """``rank`` and its next-stage peer each send before receiving (batches split in two).
+
+        ``rank`` splits its first ``send_forward_recv_backward`` batch of ``step``
+        into a send then a recv; the peer splits its ``send_backward_recv_forward``
+        batches the same way: both block in a send the other never receives
+        (send/send, ``p2p_deadlock``, culprits both).
+        """
+        lay = self.layout
+        if lay.pp < 2 or lay.coords(rank)[2] == lay.pp - 1:
+            raise ValueError("p2p faults need pp >= 2 and a rank that is not on the last stage")
+        if self._cfg.micro_batches < lay.pp:
+            raise ValueError("p2p_send_send needs micro_batches >= pp (a steady 1F1B phase)")
+        return self._fault(Fault("p2p_send_send", (rank, lay.stage_peer(rank, +1)), step))
 
     def order_inversion(
         self, *, ranks: int | tuple[int, ...], step: int, groups: tuple[str, str] = ("tp", "dp")
@@ -533,6 +562,26 @@ class JobBuilder:
                 recv = moved
             prog.insert(first_send, cat.instr(0.0, recv))
             self._shift_starts(plan, r, first_send, +1)
+        elif f.kind == "p2p_send_send":
+            for rr, delta, first_only in ((r, +1, True), (f.ranks[1], -1, False)):
+                lo, hi = self._step_range(plan, rr, f.step)
+                prog = self._own(plan, rr)
+                pos = lo
+                while pos < hi:
+                    ins = cat.instrs[prog[pos]]
+                    kinds = {(cat.specs[o].op, cat.specs[o].delta) for o in ins.ops}
+                    if kinds == {("send", delta), ("recv", delta)}:
+                        sends = [cat.specs[o] for o in ins.ops if cat.specs[o].op == "send"]
+                        recvs = [cat.specs[o] for o in ins.ops if cat.specs[o].op == "recv"]
+                        prog[pos:pos + 1] = [cat.instr(ins.compute_ms, *sends), cat.instr(0.0, *recvs)]
+                        self._shift_starts(plan, rr, pos, +1)
+                        hi += 1
+                        if first_only:
+                            break
+                    pos += 1
+                else:
+                    if first_only:
+                        raise ValueError(f"rank {rr} has no send_forward_recv_backward batch in step {f.step}")
         elif f.kind == "order_inversion":
             for rr in f.ranks:
                 lo, hi = self._step_range(plan, rr, f.step)
@@ -665,11 +714,12 @@ class JobBuilder:
             return Expected(status="hang", kinds=(kind,), culprit_ranks=(r,),
                             group=self._group_of(gid), seq=seq, seq_kind="collective", op=op,
                             waiting_ranks=posted, missing_dumps=missing)
-        if f.kind in ("p2p_recv_without_send", "p2p_swap_order"):
+        if f.kind in ("p2p_recv_without_send", "p2p_swap_order", "p2p_send_send"):
             peer = lay.stage_peer(r, +1)
             gid = int(lay.gid_of["pp"][r])
             return Expected(status="hang", kinds=("p2p_deadlock",), culprit_ranks=tuple(sorted((r, peer))),
-                            group=self._group_of(gid), seq_kind="p2p", op="recv",
+                            group=self._group_of(gid), seq_kind="p2p",
+                            op="send" if f.kind == "p2p_send_send" else "recv",
                             waiting_ranks=tuple(sorted((r, peer))))
         if f.kind == "order_inversion":
             gids = []
