@@ -377,15 +377,23 @@ class JobDumps:
         for k, name in enumerate(GROUP_KINDS):
             m = (kind == k) & ~p2p
             c0 = pre["coll"][k]
+            if self.gloo:
+                # gloo's pg_status counts every op, p2p included (its work seq_ is the
+                # op count): last_enqueued runs ahead of the recorded collectives
+                m = kind == k
+                c0 = pre["coll"][k] + pre["p2p"][k]
+                counter = op_id
+            else:
+                counter = seq
             if not m.any() and c0 == 0:
                 continue
-            enq_s = int(seq[m].max()) if m.any() else c0
+            enq_s = int(counter[m].max()) if m.any() else c0
             st_m = m & started
             co_m = m & done
             last_seq[name] = (
                 enq_s,
-                int(seq[st_m].max()) if st_m.any() else c0,
-                int(seq[co_m].max()) if co_m.any() else c0,
+                int(counter[st_m].max()) if st_m.any() else c0,
+                int(counter[co_m].max()) if co_m.any() else c0,
             )
         pend = np.flatnonzero(state != OpState.COMPLETED)
         blocked = None
