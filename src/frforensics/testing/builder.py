@@ -230,8 +230,9 @@ class JobBuilder:
     ) -> JobBuilder:
         """``rank`` stops issuing anything in ``step`` after its first ``after`` instructions.
 
-        ``after=0``: at the start of the step (its last op completed). Its GPU
-        still runs what the CPU enqueued before it stopped.
+        ``after=0``: at the start of the step (its last op completed); ``after``
+        beyond the step stops before the step's last instruction. Its GPU still
+        runs what the CPU enqueued before it stopped.
         """
         if after < 0:
             raise ValueError("after must be >= 0")
@@ -528,7 +529,7 @@ class JobBuilder:
         elif f.kind == "stuck":
             lo, hi = self._step_range(plan, r, f.step)
             prog = self._own(plan, r)
-            del prog[min(lo + f.after, hi):]
+            del prog[min(lo + f.after, hi - 1):]
             plan.stuck[r] = f.where
         elif f.kind == "dead":
             lo, hi = self._step_range(plan, r, f.step)
