@@ -265,6 +265,8 @@ class _Context:
         # one row per distinct profiling_name: (op string index, local peer, p2p by name)
         self.op_kinds: list[tuple[int, int, bool]] = []
         self.op_kind = _Memo(self._new_op_kind)
+        # backend prefixes of profiling names ("nccl:all_reduce" -> "nccl")
+        self.backends: set[str] = set()
 
     def group_of(self, name: str, desc: str) -> int:
         i = self.group_index.get(name)
@@ -275,7 +277,10 @@ class _Context:
         return i
 
     def _new_op_kind(self, profiling_name: Any) -> int:
-        name, _self_rank, peer_local = normalize_op(_as_str(profiling_name))
+        text = _as_str(profiling_name)
+        if ":" in text:
+            self.backends.add(text.split(":", 1)[0][:32])
+        name, _self_rank, peer_local = normalize_op(text)
         self.op_kinds.append(
             (self.strings[name], peer_local, name in ("send", "recv", "recv_any_source"))
         )
@@ -688,6 +693,11 @@ def _assemble(
     fmt: SourceFormat,
 ) -> RankTrace:
     group_tuple = tuple(ctx.groups)
+    if len(ctx.backends) == 1:
+        # the profiling names' prefix says which backend wrote the states
+        # ("nccl": CUDA events queried at dump time; "gloo": retirement only)
+        backend = next(iter(ctx.backends))
+        group_tuple = tuple(GroupInfo(g.name, g.desc, g.ranks, backend) for g in group_tuple)
     op_lut = np.array([k[0] for k in ctx.op_kinds] or [NO_INDEX], dtype=np.int32)
     table = EntryTable.from_columns(
         n,
