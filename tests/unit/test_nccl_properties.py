@@ -206,17 +206,21 @@ def violations(report: Report, exp: Expected) -> list[str]:
         if set(f.culprit_ranks) - roots:
             out.append(f"{f.kind.value} finding names a non-root culprit")
             break
-    # a finding places in its collective the members it says wait there (waiting
-    # ranks outside the group wait on them in turn) and, for a timeout, its culprits
-    # ("all are stuck in it"): each must really be blocked there
+    # a finding places ranks in its collective: for a timeout its culprits ("all
+    # are stuck in it"; the ranks waiting on a hung kernel wait at a later op), for
+    # a desync or a missing rank/dump the members it says wait there (waiting ranks
+    # outside the group wait on them in turn). Each must really be blocked there.
+    # (A cross-group cycle spans several ops; p2p findings count p2p numbers.)
     blocked = {r: (name, ranks, kind, seq) for r, name, ranks, kind, seq in exp.blocked}
     for f in report.findings:
-        if f.pg is None or f.pg.ranks is None or f.seq is None or f.seq_kind != "collective":
+        if (f.pg is None or f.pg.ranks is None or f.seq is None or f.seq_kind != "collective"
+                or f.kind.value in ("cross_pg_deadlock", "p2p_deadlock", "straggler")):
             continue
         here = (f.pg.name, f.pg.ranks, "collective", f.seq)
-        placed = set(f.waiting_ranks) & set(f.pg.ranks)
         if f.kind.value == "timeout":
-            placed |= set(f.culprit_ranks)
+            placed = set(f.culprit_ranks)
+        else:
+            placed = set(f.waiting_ranks) & set(f.pg.ranks)
         if any(blocked.get(r) != here for r in placed):
             out.append(f"{f.kind.value} finding places a rank where it is not blocked")
             break

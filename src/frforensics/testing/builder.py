@@ -78,6 +78,7 @@ class _Plan:
     prefix: list[Counter[int]]  # per stage: spec-id counts of the steps not simulated
     hung: set[tuple[int, int]] = field(default_factory=set)
     kernel_hung: set[tuple[int, int]] = field(default_factory=set)
+    delayed: dict[int, set[int]] = field(default_factory=dict)  # straggler(every="step"): delayed instrs
     # per stage: instruction-id counts of the steps not simulated (NCCL mode counters)
     prefix_instrs: list[Counter[int]] = field(default_factory=list)
     delay_from: dict[int, tuple[int, float]] = field(default_factory=dict)
@@ -322,9 +323,16 @@ class JobBuilder:
             rs = (rs[0], lay.rank_at(tp_rank=(t + 1) % lay.tp, dp_rank=(d + 1) % lay.dp, pp_rank=s))
         return self._fault(Fault("order_inversion", rs, step, groups=tuple(groups)))
 
-    def straggler(self, *, rank: int, delay_ms: float, from_step: int = 0) -> JobBuilder:
-        """``rank`` enters every op ``delay_ms`` late from ``from_step`` on (no hang)."""
-        return self._fault(Fault("straggler", (rank,), from_step, delay_ms=float(delay_ms)))
+    def straggler(
+        self, *, rank: int, delay_ms: float, from_step: int = 0, every: Literal["op", "step"] = "op"
+    ) -> JobBuilder:
+        """``rank`` enters every op (or the first op of every step) ``delay_ms`` late
+        from ``from_step`` on (no hang). In NCCL mode the delay is the CPU's: those ops
+        are enqueued late, not just started late."""
+        if every not in ("op", "step"):
+            raise ValueError("every must be 'op' or 'step'")
+        return self._fault(Fault("straggler", (rank,), from_step, delay_ms=float(delay_ms),
+                                 where=every))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.layout.world_size:
@@ -373,6 +381,7 @@ class JobBuilder:
             delay_from=plan.delay_from,
             hung=plan.hung,
             kernel_hung=plan.kernel_hung,
+            delayed=plan.delayed,
             run_ahead=run_ahead,
         )
         self.run_ahead = run_ahead
@@ -512,6 +521,8 @@ class JobBuilder:
             k = max(0, f.step - plan.first_step)
             starts = plan.step_starts[r]
             plan.delay_from[r] = (starts[min(k, len(starts) - 1)], f.delay_ms)
+            if f.where == "step":
+                plan.delayed[r] = set(starts[min(k, len(starts) - 1):-1])
         elif f.kind == "skip":
             pos = self._locate(plan, r, f.step, f.group, f.index)
             prog = self._own(plan, r)

@@ -300,6 +300,7 @@ WIRE_NAMES: Final = {
     "barrier": "all_reduce_barrier",
     "coalesced": "coalesced",
     "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+    "all_reduce_coalesced": "allreduce_coalesced",
     "all_gather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
 }
 

@@ -80,6 +80,7 @@ def simulate(
     delay_from: dict[int, tuple[int, float]],
     hung: set[tuple[int, int]],
     kernel_hung: set[tuple[int, int]] | None = None,
+    delayed: dict[int, set[int]] | None = None,
     run_ahead: list[int] | None = None,
 ) -> SimResult:
     """Run ``programs`` (instruction ids per rank) to the end or to a standstill.
@@ -87,7 +88,7 @@ def simulate(
     ``start_counts[r, k]`` is rank ``r``'s collective count on group kind ``k``
     before the first simulated instruction (steps not simulated); ``jitter[r][i]``
     is added to instruction ``i``'s enqueue time; ``delay_from[r] = (i0, ms)``
-    delays every instruction ``>= i0``; ``hung`` holds ``(rank, instr index)``
+    delays every instruction ``>= i0`` (only those in ``delayed[r]``, if given); ``hung`` holds ``(rank, instr index)``
     whose op never starts on that rank; ``kernel_hung`` holds ``(rank, instr
     index)`` whose kernel starts and never finishes while its peers complete;
     ``run_ahead[r]`` (NCCL mode) is rank ``r``'s CPU run-ahead depth (>= 1).
@@ -99,9 +100,10 @@ def simulate(
     try:
         sim = _simulate(layout, cat, programs, start_ms=start_ms, start_counts=start_counts,
                         jitter=jitter, delay_from=delay_from, hung=hung,
-                        kernel_hung=kernel_hung or set())
+                        kernel_hung=kernel_hung or set(), delayed=delayed)
         if run_ahead is not None:
-            _run_ahead(sim, cat, programs, start_ms=start_ms, depth=run_ahead)
+            _run_ahead(sim, cat, programs, start_ms=start_ms, depth=run_ahead, delay_from=delay_from,
+                       delayed=delayed)
         return sim
     finally:
         if enabled:
@@ -119,6 +121,7 @@ def _simulate(
     delay_from: dict[int, tuple[int, float]],
     hung: set[tuple[int, int]],
     kernel_hung: set[tuple[int, int]],
+    delayed: dict[int, set[int]] | None,
 ) -> SimResult:
     """The simulation proper (see :func:`simulate`)."""
     ws = layout.world_size
@@ -170,7 +173,7 @@ def _simulate(
         ins = instrs[prog[i]]
         t = now[r] + ins.compute_ms + jitter[r][i]
         d = delay_from.get(r)
-        if d is not None and i >= d[0]:
+        if d is not None and i >= d[0] and (delayed is None or r not in delayed or i in delayed[r]):
             t += d[1]
         if t > last_event:
             last_event = t
@@ -271,14 +274,16 @@ def _simulate(
 
 def _run_ahead(
     sim: SimResult, cat: Catalog, programs: list[list[int]], *, start_ms: npt.NDArray[np.float64],
-    depth: list[int],
+    depth: list[int], delay_from: dict[int, tuple[int, float]], delayed: dict[int, set[int]] | None,
 ) -> None:
     """Turn GPU times into NCCL-mode CPU enqueue times and append the queued ops.
 
     The CPU enqueues instruction ``i`` a little after instruction ``i - 1``
     (``_CPU_MS``) but not before the GPU completed instruction ``i - k``; never
     after the GPU started it. A blocked rank's CPU has enqueued ``k - 1``
-    instructions past the one its GPU is blocked in: those ops are queued.
+    instructions past the one its GPU is blocked in: those ops are queued. A
+    straggler's delay is its CPU's (slow Python, data loading): the GPU waited
+    for the CPU, so a delayed instruction is enqueued just before it starts.
     """
     instrs = cat.instrs
     sim.t_start = []
@@ -301,11 +306,14 @@ def _run_ahead(
         last = n_ins if sim.finished[r] else min(len(prog), n_ins - 1 + k)
         cpu = [0.0] * last
         prev = float(start_ms[r])
+        slow = delay_from.get(r)
         for i in range(last):
             t = prev + _CPU_MS
             if i - k >= 0:
                 t = max(t, ins_comp[i - k])
             if i < n_ins and not math.isnan(ins_start[i]):
+                if slow is not None and i >= slow[0] and (delayed is None or r not in delayed or i in delayed[r]):
+                    t = ins_start[i]  # the CPU was the bottleneck
                 t = min(t, ins_start[i] - _LAUNCH_MS)
             cpu[i] = t
             prev = t
