@@ -226,3 +226,89 @@ def test_groups_issued_in_opposite_orders_are_a_cross_group_deadlock_not_timeout
     report = run(ranks)
     kinds = {f.kind for f in report.findings if f.severity.value == "error"}
     assert kinds == {FindingKind.CROSS_PG_DEADLOCK}
+
+
+def test_newer_schema_and_unknown_fields_are_read_and_noted() -> None:
+    ranks = [Rank(r, WORLD).coll("0", "completed").coll("0", "completed") for r in range(4)]
+    ds = DumpSet()
+    for r in ranks:
+        doc = r.doc()
+        if r.rank == 3:
+            doc["version"] = "2.14"
+            doc["fancy_new_top"] = 1
+            for e in doc["entries"]:
+                e["new_entry_field"] = 7
+        # JSON: entry-level unknown fields are listed by the Python reader (the C
+        # pickle scanner lists top-level ones only)
+        trace = decode_dump(json.dumps(doc).encode(), source=f"nccl_trace_rank_{r.rank}.json",
+                            rank_hint=r.rank)
+        ds.digests[r.rank] = digest(trace, rank=r.rank)
+    report = analyze(ds, options=AnalyzeOptions(world_size=4))
+    text = "\n".join(report.notes)
+    assert report.culprit_ranks == ()
+    assert "rank(s) 3: schema version 2.14 is newer" in text
+    assert "entries[].new_entry_field" in text and "fancy_new_top" in text
+    assert "disagree on the schema version: 2.10 on rank(s) 0-2; 2.14 on rank(s) 3" in text
+
+
+def test_group_whose_seqs_never_increase_is_matched_by_record_order() -> None:
+    ranks = [Rank(r, WORLD).coll("0", "completed").coll("0", "completed") for r in range(4)]
+    for r in (0, 1, 3):
+        ranks[r].coll("0", "scheduled")  # rank 2 never enters the third collective
+    for rk in ranks:
+        for e in rk.entries:
+            e["collective_seq_id"] = 0
+    report = run(ranks)
+    assert report.culprit_ranks == (2,)
+    assert report.findings[0].kind is FindingKind.MISSING_RANK
+    assert any("matched by record order" in n for n in report.notes)
+
+
+def _analysis(ranks: list[Rank]) -> tuple[Any, Any]:
+    from frforensics.analyzer.context import Context
+    from frforensics.analyzer.merge import build_job
+    from frforensics.analyzer.waits import build_wait_graph
+    digests = {}
+    for r in ranks:
+        trace = decode_dump(pickle.dumps(r.doc()), source=f"nccl_trace_rank_{r.rank}",
+                            rank_hint=r.rank)
+        digests[r.rank] = digest(trace, rank=r.rank)
+    job = build_job(digests, world_size=len(ranks))
+    graph = build_wait_graph(job)
+    return Context.build(job, graph, AnalyzeOptions(world_size=len(ranks))), graph
+
+
+def test_detectors_are_pure_so_their_order_does_not_matter() -> None:
+    from frforensics.analyzer.detectors import DETECTORS
+    # an op mismatch at #2 (rank 1 broadcasts), then everyone blocks in #3
+    ranks = [Rank(r, WORLD).coll("0", "completed") for r in range(4)]
+    for rk in ranks:
+        rk.coll("0", "scheduled", "broadcast" if rk.rank == 1 else "all_reduce")
+        rk.coll("0", "scheduled")
+    ctx, _ = _analysis(ranks)
+    forward = [f for det in DETECTORS for f in det(ctx)]
+    backward = [f for det in reversed(DETECTORS) for f in det(ctx)]
+    assert forward and sorted(map(repr, forward)) == sorted(map(repr, backward))
+    assert {f.kind for f in forward} == {FindingKind.OP_MISMATCH}
+
+
+def test_a_wait_chain_longer_than_the_recursion_limit_ends_at_its_root() -> None:
+    import sys
+    n = sys.getrecursionlimit() + 200
+    # rank i waits in pair group {i, i+1} for rank i+1, which holds that op only
+    # queued behind its own op with i+2; the last rank never issued anything
+    groups = {f"p{i}": ("pair", [i, i + 1]) for i in range(n - 1)}
+    ranks = []
+    for i in range(n):
+        mine = {f"p{i}": groups[f"p{i}"]} if i < n - 1 else {}
+        if i > 0:
+            mine[f"p{i - 1}"] = groups[f"p{i - 1}"]
+        rk = Rank(i, mine)
+        if i < n - 1:
+            rk.coll(f"p{i}", "scheduled")
+        if 0 < i < n - 1:
+            rk.coll(f"p{i - 1}", "scheduled")
+        ranks.append(rk)
+    _ctx, graph = _analysis(ranks)
+    assert list(graph.roots) == [n - 1]
+    assert graph.roots[n - 1].waiters == set(range(n - 1))

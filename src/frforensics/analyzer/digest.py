@@ -270,8 +270,36 @@ def coalesced_units(group: npt.NDArray[np.int32], seq: I8, p2p_seq: I8, is_p2p: 
             np.ascontiguousarray(p2p, dtype=np.uint8))
 
 
+def _record_order_seqs(trace: RankTrace, seq: I8) -> tuple[I8, tuple[str, ...]]:
+    """Collective seqs, numbered by record order in groups whose seqs never increase.
+
+    Some hand-made and older dumps write ``collective_seq_id`` 0 (or one constant)
+    for every collective: matching by seq would pair everything with
+    everything. There the k-th collective of the group is numbered k (counting
+    from the ring's first entry, so a ring that evicted entries is misaligned:
+    the note says so).
+    """
+    e = trace.entries
+    coll = e.is_p2p == 0
+    notes: list[str] = []
+    out = np.ascontiguousarray(seq)
+    for local in np.unique(e.pg[coll]).tolist():
+        rows = np.flatnonzero(coll & (e.pg == local))
+        if len(rows) < 2 or int(seq[rows].min()) != int(seq[rows].max()):
+            continue
+        if out is seq:
+            out = seq.copy()
+        out[rows] = np.arange(1, len(rows) + 1, dtype=np.int64)
+        name = trace.groups[local].name if 0 <= local < len(trace.groups) else str(local)
+        notes.append(f"group {name[:40]}: collective_seq_id never increases ({len(rows)} entries "
+                     f"say {int(seq[rows[0]])}): collectives matched by record order"
+                     + (" (this ring evicted entries, so the order may be shifted)"
+                        if trace.dropped or (len(e) and int(e.record_id[0]) > 0) else ""))
+    return out, tuple(notes)
+
+
 def _detail(trace: RankTrace, row: int, locations: dict[int, str | None],
-            state: U1, is_p2p: U1) -> EntryDetail:
+            state: U1, is_p2p: U1, seq: I8) -> EntryDetail:
     e = trace.entries
     s = trace.string
     stack = int(e.stack[row])
@@ -283,7 +311,7 @@ def _detail(trace: RankTrace, row: int, locations: dict[int, str | None],
         row=row,
         record_id=int(e.record_id[row]),
         group=int(e.pg[row]),
-        seq=int(e.seq[row]),
+        seq=int(seq[row]),
         p2p_seq=int(e.p2p_seq[row]),
         peer_seq=int(e.peer_seq[row]),
         op=s(int(e.op[row])),
@@ -342,7 +370,8 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
     site = site_lookup[np.where((e.stack >= 0) & (e.stack < len(trace.stacks)), e.stack,
                                 len(trace.stacks))]
 
-    unit, state, is_p2p = coalesced_units(e.pg, e.seq, e.p2p_seq, e.is_p2p, op_hash, e.state)
+    seq, order_notes = _record_order_seqs(trace, e.seq)
+    unit, state, is_p2p = coalesced_units(e.pg, seq, e.p2p_seq, e.is_p2p, op_hash, e.state)
     if unit is not None:
         closing = np.isin(op_hash, _CLOSING_HASHES)
         size[closing] = 0  # no tensors of its own: the block's size is its members'
@@ -353,7 +382,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(state != OpState.COMPLETED).tolist())
     locations: dict[int, str | None] = {}
-    details = {row: _detail(trace, row, locations, state, is_p2p) for row in sorted(keep)}
+    details = {row: _detail(trace, row, locations, state, is_p2p, seq) for row in sorted(keep)}
     return RankDigest(
         rank=rank,
         rank_from=trace.rank_from,
@@ -372,9 +401,9 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         threads=trace.threads,
         stale_peers=trace.stale_peers,
         death=trace.death,
-        notes=trace.notes,
+        notes=(*trace.notes, *order_notes),
         group=np.ascontiguousarray(e.pg),
-        seq=np.ascontiguousarray(e.seq),
+        seq=seq,
         p2p_seq=np.ascontiguousarray(e.p2p_seq),
         peer_seq=np.ascontiguousarray(e.peer_seq),
         is_p2p=is_p2p if unit is not None else np.ascontiguousarray(e.is_p2p),

@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import RankDigest, str_hash
 from frforensics.model import GroupInfo, OpState
-from frforensics.report import GroupRef
+from frforensics.report import GroupRef, format_ranks
 
 __all__ = ["Group", "JobModel", "build_job"]
 
@@ -230,6 +230,32 @@ def _default_like(info: GroupInfo) -> bool:
     return info.desc == "default_pg"
 
 
+def _dump_notes(digests: dict[int, RankDigest], *, limit: int = 6) -> list[str]:
+    """What the readers noted per dump (newer versions, unknown fields, record-order
+    matching), merged across ranks, and ranks whose dumps disagree on the version."""
+    by_note: dict[str, list[int]] = defaultdict(list)
+    versions: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for rank, d in sorted(digests.items()):
+        for note in d.notes:
+            by_note[note].append(rank)
+        versions[(d.format, d.version)].append(rank)
+    out = []
+    for note, ranks in list(by_note.items())[:limit]:
+        out.append(f"rank(s) {_ranks_text(ranks)}: {note}")
+    if len(by_note) > limit:
+        out.append(f"... and {len(by_note) - limit} more kinds of reader notes")
+    for fmt in sorted({f for f, _ in versions}):
+        seen = {v: r for (f, v), r in versions.items() if f == fmt}
+        if len(seen) > 1:
+            out.append(f"{fmt} dumps disagree on the schema version: " + "; ".join(
+                f"{v or '(none)'} on rank(s) {_ranks_text(r)}" for v, r in sorted(seen.items())))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return format_ranks(sorted(ranks))
+
+
 def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) -> JobModel:
     """Merge ``digests`` into a :class:`JobModel`."""
     notes: list[str] = []
@@ -302,6 +328,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         group.gid = gid
         for rank, local in group.local.items():
             group_of[(rank, local)] = gid
+    notes.extend(_dump_notes(digests))
     now_known = bool(digests) and all(d.dump_time_ns for d in digests.values())
     gpu_states = any(d.gpu_states for d in digests.values())
     if digests and not now_known:
