@@ -208,8 +208,9 @@ def violations(report: Report, exp: Expected) -> list[str]:
             break
     # a finding places ranks in its collective: for a timeout its culprits ("all
     # are stuck in it"; the ranks waiting on a hung kernel wait at a later op), for
-    # a desync or a missing rank/dump the members it says wait there (waiting ranks
-    # outside the group wait on them in turn). Each must really be blocked there.
+    # a desync or a missing rank/dump the members it says wait there (its evidence's
+    # ``direct_waiters``; else the waiting ranks of the group: the others wait on
+    # them in turn). Each must really be blocked there.
     # (A cross-group cycle spans several ops; p2p findings count p2p numbers.)
     blocked = {r: (name, ranks, kind, seq) for r, name, ranks, kind, seq in exp.blocked}
     for f in report.findings:
@@ -219,6 +220,8 @@ def violations(report: Report, exp: Expected) -> list[str]:
         here = (f.pg.name, f.pg.ranks, "collective", f.seq)
         if f.kind.value == "timeout":
             placed = set(f.culprit_ranks)
+        elif "direct_waiters" in f.evidence:
+            placed = set(f.evidence["direct_waiters"])
         else:
             placed = set(f.waiting_ranks) & set(f.pg.ranks)
         if any(blocked.get(r) != here for r in placed):
