@@ -183,8 +183,16 @@ def said(report: Report) -> str:
     return "; ".join(parts)
 
 
-def violations(report: Report, exp: Expected) -> list[str]:
-    """The properties ``report`` breaks for a job whose verdict is ``exp``."""
+def violations(report: Report, exp: Expected, *, gloo: bool = False) -> list[str]:
+    """The properties ``report`` breaks for a job whose verdict is ``exp``.
+
+    ``gloo``: PyTorch's gloo recorder records no send/recv and no completion time,
+    so some faults cannot be attributed from its dumps (a rank blocked in a
+    pipeline recv looks idle; a straggler's lateness propagates). There, and only
+    there, an honest abstention passes the culprit property: no culprit named, and
+    the planted roots among a finding's ``evidence["candidates"]``. A wrong
+    culprit never passes.
+    """
     out: list[str] = []
     errors = [f for f in report.findings if f.severity is Severity.ERROR]
     if exp.status == "healthy":
@@ -196,7 +204,9 @@ def violations(report: Report, exp: Expected) -> list[str]:
             out.append("healthy: a culprit named")
         return out
     roots = set(exp.culprit_ranks)
-    if set(report.culprit_ranks) != roots:
+    candidates = {r for f in report.findings for r in f.evidence.get("candidates", ())}
+    abstained = gloo and not report.culprit_ranks and roots <= candidates
+    if set(report.culprit_ranks) != roots and not abstained:
         out.append("culprit_ranks != planted roots")
     if not report.findings:
         out.append("no finding")
@@ -260,7 +270,7 @@ def run_batch(mode: str, fault: str, seeds: range, layout: Layout3 | None = None
         reports = analyze_native(job.dumps)
         bad = False
         for fmt, report in reports.items():
-            problems = violations(report, exp)
+            problems = violations(report, exp, gloo=mode == "gloo")
             tally.add(job, fmt, report, problems)
             bad |= bool(problems)
         if verdict(reports["pickle"]) != verdict(reports["json"]):

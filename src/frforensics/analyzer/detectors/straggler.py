@@ -21,7 +21,8 @@ often than the typical rank, is a straggler. Severity warning (status
 ``degraded`` when alone): nothing hangs, the job is slow.
 
 Dumps without completion times (PyTorch's gloo recorder) fall back to enqueue
-times: per-rank clock offsets are estimated as each rank's median arrival
+times — never NCCL dumps, whose CPU runs ahead of the GPU (an enqueue time is
+not an arrival there): per-rank clock offsets are estimated as each rank's median arrival
 offset, and a member's previous release as the last arrival at its previous
 collective. Per-rank clock offsets are always estimated (from completions when
 known, which are near-simultaneous on all members) and reported in evidence.
@@ -505,6 +506,11 @@ def detect(ctx: Context) -> list[Finding]:
     if t is None:
         return []
     from_completions, has_comp, offset = _basis(t)
+    if not from_completions and ctx.job.gpu_states:
+        # NCCL: the CPU runs ahead of the GPU, so when an op was enqueued says
+        # nothing about when the rank's GPU reached it; without completion times
+        # there is nothing to judge arrivals by
+        return []
     a, think = _lateness_think(t, from_completions, has_comp, offset)
     # the threshold is never below ``floor``: a rank that is not even late by that much
     # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here
