@@ -37,7 +37,7 @@ import numpy as np
 
 from frforensics.analyzer import wire
 from frforensics.analyzer.digest import RankDigest
-from frforensics.analyzer.load import DumpSource, _decode_batch
+from frforensics.analyzer.load import digest_paths
 from frforensics.testing import JobBuilder
 
 
@@ -62,9 +62,9 @@ def main() -> None:
               "| encode ms/rank (zlib, batch) | decode ms/rank |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for name, files in sets.items():
-            outs = _decode_batch([DumpSource(label=str(p), path=str(p)) for p in files], None, 32)
-            digests = [o.digest for o in outs if o.digest is not None]
-            assert len(digests) == len(files), [o.error for o in outs if o.error][:3]
+            outs = digest_paths([str(p) for p in files])
+            digests = [o for o in outs if isinstance(o, RankDigest)]
+            assert len(digests) == len(files), [o for o in outs if not isinstance(o, RankDigest)][:3]
             if args.noise_ns:
                 digests = [_noisy(d, rng, args.noise_ns) for d in digests]
             if args.window:

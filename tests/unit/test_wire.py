@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from frforensics.analyzer import wire
 from frforensics.analyzer.digest import RankDigest
-from frforensics.analyzer.load import DumpSource, _decode_batch
+from frforensics.analyzer.load import digest_paths
 from frforensics.testing import JobBuilder
 
 
@@ -41,8 +41,8 @@ def _digests(tmp: Path, job: JobBuilder, ring: int) -> dict[str, list[RankDigest
     out = {}
     for kind, files in (("native", dumps.write_native(tmp / "native", jobs=1)),
                         ("frdump", dumps.write_frdump(tmp / "frdump", jobs=1))):
-        outcomes = _decode_batch([DumpSource(label=str(p), path=str(p)) for p in files], None, 32)
-        out[kind] = [o.digest for o in outcomes if o.digest is not None]
+        outcomes = digest_paths([str(p) for p in files])
+        out[kind] = [o for o in outcomes if isinstance(o, RankDigest)]
         assert len(out[kind]) == len(files)
         assert all(len(d) == ring for d in out[kind])
     return out
@@ -168,12 +168,8 @@ def test_every_field_of_a_digest_travels(hang_digests: dict[str, list[RankDigest
 @pytest.mark.parametrize("sample", sorted(p.name for p in (
     Path(__file__).resolve().parents[1] / "data" / "native").iterdir() if p.is_dir()))
 def test_sample_dumps_round_trip(sample: str) -> None:
-    from frforensics.analyzer.load import digest_files
-
     root = Path(__file__).resolve().parents[1] / "data" / "native" / sample
-    files = [(str(p), str(p), True) for p in sorted(root.rglob("*")) if p.is_file()
-             and not p.name.endswith((".md", ".json"))]
-    digests, _, _ = digest_files(files)
+    digests = [d for d in digest_paths([root]) if isinstance(d, RankDigest)]
     assert digests
     for a, b in zip(digests, wire.decode_batch(wire.encode_batch(digests)), strict=True):
         assert_same_digest(a, b)

@@ -10,9 +10,10 @@ Where the dumps are:
 
 * ``DUMPS`` are paths that each host resolves on its own disks (a node-local
   ``/var/tmp/fr``): one *listing* task per host (Dask workers grouped by their
-  ``host``), pinned to a worker there, walks the paths with the same rules as
-  ``load.discover``; then *decode* tasks, pinned to the same host's workers,
-  decode batches of its files and send back one wire payload per batch.
+  ``host``), pinned to a worker there, walks the paths (names only, the walk
+  rules of ``formats.sources.discover``); then *decode* tasks, pinned to the same
+  host's workers, read batches of its files through the one reader
+  (:func:`digest_here`) and send back one wire payload per batch.
 * ``{host}`` and ``{worker}`` in a path are replaced on each worker by its host
   and its worker name; with ``{worker}`` every worker is its own unit (several
   workers on one machine, each with its own folder).
@@ -36,18 +37,20 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
 from frforensics._gc import gc_paused
 from frforensics.analyzer import wire
-from frforensics.analyzer.digest import DEFAULT_TAIL
 
-# the seam with the local loader: ``digest_files`` decodes on the worker,
-# ``_add`` settles duplicates in the central DumpSet exactly as load_dumps does
-from frforensics.analyzer.load import DumpSet, _add, digest_files
+# the seam with the local loader: ``digest_source`` decodes on the worker (after
+# the one reader's ``discover``), ``DumpSet.add`` settles duplicates centrally
+# exactly as load_dumps does
+from frforensics.analyzer.digest import DEFAULT_TAIL, RankDigest
+from frforensics.analyzer.load import DumpSet, digest_source
 from frforensics.errors import UsageError
+from frforensics.formats.sources import Skipped, discover
 from frforensics.report import LoadProblem
 
 # distributed's API is only partly typed (and absent where the extra is not
@@ -55,7 +58,7 @@ from frforensics.report import LoadProblem
 Client = Any
 Future = Any
 
-__all__ = ["load_dumps_dask", "read_manifest"]
+__all__ = ["digest_here", "load_dumps_dask", "read_manifest"]
 
 #: one listed file: label (``HOST:path``), path on its host, named explicitly
 _Item = tuple[str, str, bool]
@@ -98,14 +101,40 @@ def _list_here(paths: Sequence[str], unit: str) -> tuple[list[_Item], list[tuple
     return items, problems
 
 
+def digest_here(items: Sequence[_Item], *, prefix: str | None = None, tail: int = DEFAULT_TAIL,
+                ) -> list[RankDigest | LoadProblem | Skipped]:
+    """On a worker: digest listed files (archives opened here) under their ``HOST:path`` labels.
+
+    Each file goes through the one reader (``formats.sources.discover``, which
+    refuses FIFOs, devices and oversized or hostile archives, then
+    ``load.digest_source``); a file found by the walk keeps the walk's quiet
+    rules for non-dumps. Never raises for a bad file.
+    """
+    out: list[RankDigest | LoadProblem | Skipped] = []
+    for label, path, explicit in items:
+        host = label[: len(label) - len(path) - 1]
+        try:
+            for src in discover([path]):
+                if isinstance(src, LoadProblem):
+                    out.append(replace(src, path=f"{host}:{src.path}"))
+                    continue
+                src = replace(src, label=f"{host}:{src.label}",
+                              explicit=explicit if src.path == path else src.explicit)
+                out.append(digest_source(src, prefix=prefix, tail=tail))
+        except UsageError as exc:  # gone since it was listed
+            out.append(LoadProblem(label, f"cannot read: {exc}"))
+    return out
+
+
 def _decode_here(items: Sequence[_Item], prefix: str | None, tail: int,
                  codec: str) -> tuple[bytes, list[tuple[str, str, bool]]]:
     """On a worker: ``items`` as one wire payload, plus ``(label, error, quiet)`` problems."""
     with gc_paused():
-        digests, problems, skipped = digest_files(items, prefix=prefix, tail=tail)
-    out = [(p.path, p.error, False) for p in problems]
-    out.extend((label, "not a dump", True) for label in skipped)
-    return wire.encode_batch(digests, codec=codec), out
+        results = digest_here(items, prefix=prefix, tail=tail)
+    digests = [r for r in results if isinstance(r, RankDigest)]
+    problems = [(r.path, r.error, False) for r in results if isinstance(r, LoadProblem)]
+    problems.extend((r.label, r.reason, True) for r in results if isinstance(r, Skipped))
+    return wire.encode_batch(digests, codec=codec), problems
 
 
 # ---------------------------------------------------------------- client side
@@ -309,7 +338,7 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
                     digests = []
                     problems = [(label, f"not read: {exc}", False) for label, *_ in items]
                 for digest in digests:
-                    _add(result, digest)
+                    result.add(digest)
                 for label, msg, quiet in problems:
                     if quiet:
                         result.skipped.append(label)

@@ -22,6 +22,8 @@ waiting in it wait **for** that rank (docs/native-format.md, "the CPU runs ahead
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -256,6 +258,46 @@ def _ranks_text(ranks: list[int]) -> str:
     return format_ranks(sorted(ranks))
 
 
+_SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
+#: salts tried: PyTorch appends a group counter (``_world.group_count`` in 2.15,
+#: ``len(_world.pg_names)`` in 2.13) to the joined ranks before hashing
+_MAX_SALT = 4096
+
+
+def _members_from_hashed_name(name: str, seen: tuple[int, ...],
+                              silent: list[int]) -> tuple[int, ...] | None:
+    """The members of a group named by ``_hash_ranks_to_str``, when the name proves them.
+
+    PyTorch names hashed groups ``sha1("_".join(ranks) + "_" + str(counter))``
+    (``distributed_c10d._hash_ranks_to_str``; some tools hash without the counter).
+    ``seen`` are the ranks whose dumps name the group; ``silent`` ranks left no
+    dump and may be members too. Candidates: ``seen`` plus every silent rank,
+    ``seen`` plus one silent rank, ``seen``. Returns the first candidate whose
+    hash is the name, or None (membership stays inferred).
+    """
+    if not _SHA1_NAME.match(name):
+        return None
+    # Candidates with silent ranks first: "0_1_2" salted "_3" is also "0_1_2_3"
+    # unsalted, and a silent rank whose addition reproduces the name is a member.
+    candidates = []
+    if silent and len(silent) <= 4096:
+        candidates.append(tuple(sorted({*seen, *silent})))
+        if len(silent) <= 16:
+            candidates.extend(tuple(sorted({*seen, r})) for r in silent)
+    candidates.append(seen)
+    for members in candidates:
+        joined = "_".join(map(str, members))
+        if hashlib.sha1(joined.encode(), usedforsecurity=False).hexdigest() == name:
+            return members
+        base = hashlib.sha1((joined + "_").encode(), usedforsecurity=False)
+        for salt in range(_MAX_SALT):
+            h = base.copy()
+            h.update(str(salt).encode())
+            if h.hexdigest() == name:
+                return members
+    return None
+
+
 def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) -> JobModel:
     """Merge ``digests`` into a :class:`JobModel`."""
     notes: list[str] = []
@@ -295,6 +337,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
 
     groups: list[Group] = list(known.values())
     inferred: list[str] = []
+    recovered: list[str] = []
     for name, uses in unknown.items():
         by_name = [g for g in groups if g.name == name]
         leftovers = []
@@ -312,11 +355,23 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             members = world
         else:
             members = tuple(sorted({rank for rank, _, _ in leftovers}))
-            inferred.append(name)
+            silent = [r for r in world if r not in digests]
+            named = _members_from_hashed_name(name, members, silent)
+            if named is not None:
+                if named != members:
+                    recovered.append(f"{name[:12]}… (ranks {format_ranks(list(named))})")
+                members = named
+            else:
+                inferred.append(name)
         group = Group(-1, name, desc, members, False)
         for rank, local, _ in leftovers:
             group.local[rank] = local
         groups.append(group)
+    if recovered:
+        notes.append(
+            "group membership not in the dumps (gloo) for group(s) "
+            f"{', '.join(sorted(recovered)[:8])}: recovered from the hashed group name, "
+            "which includes ranks that left no dump")
     if inferred:
         notes.append(
             "group membership not in the dumps (gloo) for group(s) "
