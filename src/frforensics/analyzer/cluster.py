@@ -75,7 +75,7 @@ _MAX_BATCH: Final = 64
 def _list_here(paths: Sequence[str], unit: str) -> tuple[list[_Item], list[tuple[str, str]]]:
     """On a worker: the candidate dumps under ``paths`` on this host (no bytes read).
 
-    The rules are those of ``load.discover`` (hidden names skipped, directories
+    The rules are those of ``formats.sources.discover`` (hidden names skipped, directories
     walked in sorted order); archives are opened by the decode task, on the host.
     """
     items: list[_Item] = []
