@@ -185,6 +185,8 @@ def _bench_dask(args: argparse.Namespace) -> None:
     with distributed.LocalCluster(n_workers=args.jobs, threads_per_worker=1, processes=True,
                                   dashboard_address=None, silence_logs=40) as cluster:
         address = cluster.scheduler_address
+        with distributed.Client(cluster, set_as_default=False) as warm:  # imports, not timed
+            warm.run(_warm_worker)
         for spec in args.dask_sets.split(","):
             r_s, e_s, fmt = spec.split(":")
             ranks, entries = int(r_s), int(e_s)
@@ -215,6 +217,12 @@ def _bench_dask(args: argparse.Namespace) -> None:
                 extra = (f"\n## Profile of the central process, {ranks} × {entries} {fmt}\n\n"
                          f"```\n{_profile_dask(path, address)}```\n")
                 _dask_table(rows, args, stamp, extra=extra)
+
+
+def _warm_worker() -> None:
+    """Import what a decode task needs, so the first timed run does not pay for it."""
+    import frforensics.analyzer.cluster
+    import frforensics.formats.sources  # noqa: F401
 
 
 def _profile_dask(path: Path, address: str) -> str:
