@@ -193,6 +193,9 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     elif rec.store_dead:
         notes.append("store unreachable at dump time: dumped locally only")
     notes.extend(rec.config.extra_notes)
+    from frforensics.recorder._identity import local_identity
+
+    ident = local_identity([e[R.DEVICE] for e in entries[-64:] if e[R.DEVICE]])
     stale = rec.stale_peers() if reason is not DumpReason.API else ()
     if stale:
         stale = tuple(sorted(stale, key=lambda p: -p.age_s))
@@ -219,6 +222,10 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         stale_peers=stale,
         death=death,
         notes=tuple(notes),
+        local_rank=ident.local_rank,
+        cuda_device=ident.cuda_device,
+        gpu_uuid=ident.gpu_uuid,
+        pci_bus_id=ident.pci_bus_id,
     )
 
 
