@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
+    "ACTIONS",
     "KIND_SEVERITY",
     "SCHEMA",
+    "Action",
     "Finding",
     "FindingKind",
     "GroupRef",
@@ -149,7 +151,12 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class RankFacts:
-    """What is known about one rank (JSON ``ranks[str(rank)]``)."""
+    """What is known about one rank (JSON ``ranks[str(rank)]``).
+
+    ``local_rank``, ``cuda_device``, ``gpu_uuid``, ``pci_bus_id``: the rank's
+    physical identity as its dump recorded it (``None`` when unknown or on CPU;
+    in JSON only when known).
+    """
 
     rank: int
     host: str | None = None
@@ -159,6 +166,10 @@ class RankFacts:
     blocked_in: str | None = None
     source: str | None = None
     format: str | None = None
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -173,7 +184,49 @@ class RankFacts:
             out["source"] = self.source
         if self.format is not None:
             out["format"] = self.format
+        for key in ("local_rank", "cuda_device", "gpu_uuid", "pci_bus_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
         return out
+
+
+#: What an orchestrator should do about a culprit rank (DESIGN §3, docs/detectors.md).
+ACTIONS: Final = ("replace_gpu_or_host", "fix_code", "inspect")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What to do about one culprit rank, with its physical identity.
+
+    ``action``: ``replace_gpu_or_host`` (hardware-like: excluding the GPU/host
+    helps), ``fix_code`` (a bug in the program: excluding it will not help) or
+    ``inspect``. ``because``: the finding kind that decided it; ``detail``: why,
+    in one sentence.
+    """
+
+    rank: int
+    action: str
+    because: str
+    detail: str
+    host: str | None = None
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "action": self.action,
+            "host": self.host,
+            "local_rank": self.local_rank,
+            "cuda_device": self.cuda_device,
+            "gpu_uuid": self.gpu_uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "because": self.because,
+            "detail": self.detail,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +295,8 @@ class Report:
     unreadable: bool = False
     #: Per-rank recent ops for drawn timelines (HTML); not part of the JSON contract.
     timeline: tuple[RankTimeline, ...] = ()
+    #: One entry per culprit rank, in ``culprit_ranks`` order: what to do about it.
+    actions: tuple[Action, ...] = ()
 
     @property
     def status(self) -> Status:
@@ -276,6 +331,7 @@ class Report:
             "ranks": {str(r): facts.to_json() for r, facts in sorted(self.ranks.items())},
             "findings": [f.to_json() for f in self.findings],
             "load_problems": [p.to_json() for p in self.load_problems],
+            "actions": [a.to_json() for a in self.actions],
             "notes": list(self.notes),
         }
 

@@ -159,6 +159,11 @@ class RankDigest:
     site: U4 | None = None
     sites: dict[int, str] | None = None
     numel: I8 | None = None
+    # physical identity (model.RankTrace); None where unknown
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
 
     def __len__(self) -> int:
         return int(self.seq.shape[0])
@@ -305,4 +310,8 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         site=site,
         sites=sites,
         numel=np.ascontiguousarray(e.in_numel),
+        local_rank=trace.local_rank,
+        cuda_device=trace.cuda_device,
+        gpu_uuid=trace.gpu_uuid,
+        pci_bus_id=trace.pci_bus_id,
     )

@@ -16,8 +16,9 @@ Layout::
       "threads": [{"name": "MainThread", "ident": 1, "is_main": true, "stack": 4}],
       "stale_peers": [{"rank": 5, "age_s": 12.5}],
       "death": {"kind": "exception", "message": "...", "stack": 7} | null,
-      "notes": []
-    }
+      "notes": [],
+      "local_rank": 3, "cuda_device": 3, "gpu_uuid": "GPU-...", "pci_bus_id": "0000:1b:00.0"
+    }                       # identity keys: absent in older dumps (read as null)
 
 Entries are columns of little-endian integers (``model.ENTRY_COLUMNS``), so a
 2000-entry dump decodes with one ``msgpack.unpackb`` and a few ``np.frombuffer``
@@ -172,6 +173,10 @@ def encode(trace: RankTrace) -> bytes:
         "stale_peers": [{"rank": p.rank, "age_s": p.age_s} for p in trace.stale_peers],
         "death": death,
         "notes": list(trace.notes),
+        "local_rank": trace.local_rank,
+        "cuda_device": trace.cuda_device,
+        "gpu_uuid": trace.gpu_uuid,
+        "pci_bus_id": trace.pci_bus_id,
     }
     packed: bytes = msgpack.packb(doc, use_bin_type=True)
     return MAGIC + packed
@@ -375,4 +380,8 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
         ),
         death=death,
         notes=tuple(str(x) for x in doc.get("notes") or []),
+        local_rank=_opt_int(doc, "local_rank", source),
+        cuda_device=_opt_int(doc, "cuda_device", source),
+        gpu_uuid=_opt_str(doc, "gpu_uuid", source),
+        pci_bus_id=_opt_str(doc, "pci_bus_id", source),
     )

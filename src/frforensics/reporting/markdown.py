@@ -13,6 +13,7 @@ from frforensics.report import Report, Severity, Status, format_ranks
 from frforensics.reporting._shared import (
     MAX_STATES,
     STATUS_WORD,
+    action_lines,
     culprit_label,
     rank_states,
     seq_label,
@@ -75,6 +76,9 @@ def render(report: Report) -> str:
             lines.append(f"| **Code** | {_code(top.location)} |")
         if top.waiting_ranks:
             lines.append(f"| **Waiting** | ranks {format_ranks(top.waiting_ranks)} |")
+        actions = action_lines(report)
+        if actions:
+            lines.append(f"| **Action** | {'<br>'.join(_cell(a) for a in actions)} |")
         lines.append("")
     world = report.world_size if report.world_size is not None else "unknown"
     lines += [f"### Ranks ({len(report.ranks_loaded)} loaded, world size {world})", "",

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
-from frforensics.reporting._shared import rank_states
+from frforensics.reporting._shared import action_lines, rank_states
 
 _STATUS_STYLE = {
     Status.HEALTHY: "bold green",
@@ -83,6 +83,8 @@ def render(report: Report, *, width: int = 100, color: bool = False) -> str:
             out(f"  [bold]Code:[/]     {escape(top.location)}")
         if top.waiting_ranks:
             out(f"  [bold]Waiting:[/]  ranks {format_ranks(top.waiting_ranks)}")
+        for i, line in enumerate(action_lines(report)):
+            out(f"  [bold]{'Action:' if i == 0 else '':<9}[/] {escape(line)}")
     out("")
     if len(report.findings) > (1 if top else 0) or (top and top.evidence):
         out("[bold]Findings[/]")
