@@ -63,6 +63,7 @@ __all__ = [
     "setup",
     "standby",
     "state",
+    "verdict_from_dump_dir",
 ]
 
 log = logging.getLogger("frforensics.recovery")
@@ -342,7 +343,11 @@ def _current_rank(st: State) -> int:
 
 def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | None:
     if st.options.verdict_source is not None:
-        return st.options.verdict_source(max(0.0, deadline - time.monotonic()), detail)
+        try:
+            return st.options.verdict_source(max(0.0, deadline - time.monotonic()), detail)
+        except Exception as exc:
+            _say(st, f"the verdict source failed: {exc}")
+            return None
     try:
         import frforensics.recorder as recorder
     except Exception:
@@ -380,6 +385,81 @@ def exclusion_from(verdict: dict[str, Any], members: Sequence[int]) -> list[int]
     return out
 
 
+def verdict_from_dump_dir(dump_dir: str | os.PathLike[str], *, world_size: int,
+                          settle_s: float = 1.5) -> Callable[[float, str], dict[str, Any] | None]:
+    """A verdict source for jobs whose ranks share a dump directory.
+
+    When called, this rank dumps (the recorder's API dump, unless its watchdog
+    already did), waits until every rank of ``world_size`` has a dump there or
+    no new dump appeared for ``settle_s``, then runs ``fr-analyze --format json``
+    in a child process (the training process imports no analysis code) and
+    returns the report's verdict fields. Used when the recorder has no verdict
+    of its own at hang time; the first survivor's verdict is the one everyone
+    uses (see :func:`recover`).
+    """
+    from pathlib import Path
+
+    directory = Path(dump_dir)
+
+    def source(timeout_s: float, detail: str) -> dict[str, Any] | None:
+        import subprocess
+
+        end = time.monotonic() + timeout_s
+        with contextlib.suppress(Exception):
+            import frforensics.recorder as recorder
+
+            mine = directory / f"frdump_rank_{state().me}"
+            # The watchdog's dump (with the peers' heartbeats) is the better evidence:
+            # dump here only when the step failed before any deadline fired.
+            if recorder.is_enabled() and not mine.exists():
+                recorder.dump("api", f"recovery: {detail}"[:300])
+        seen: set[str] = set()
+        changed = time.monotonic()
+        while time.monotonic() < end:
+            now = {p.name for p in directory.glob("frdump_rank_*")}
+            if now != seen:
+                seen, changed = now, time.monotonic()
+            if len(seen) >= world_size or (seen and time.monotonic() - changed >= settle_s):
+                break
+            time.sleep(0.1)
+        if not seen:
+            return None
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "frforensics", "--format", "json",
+                 "--world-size", str(world_size), str(directory)],
+                capture_output=True, text=True, timeout=max(1.0, end - time.monotonic()),
+                check=False)
+            report = json.loads(out.stdout)
+        except Exception as exc:
+            return {"schema": "frforensics.verdict/1", "status": "error", "actions": [],
+                    "headline": f"no verdict: fr-analyze failed ({exc})", "error": str(exc)}
+        findings = report.get("findings") or [{}]
+        first = findings[0]
+        headline = (f"{str(report.get('status', '')).upper()} — {first.get('kind', '')}: "
+                    f"{first.get('message', '')}")
+        return {"schema": "frforensics.verdict/1", "status": report.get("status"),
+                "culprit_ranks": report.get("culprit_ranks", []),
+                "actions": report.get("actions", []), "headline": headline,
+                "text": headline, "source": str(directory), "error": None}
+
+    return source
+
+
+def _agree_on_verdict(st: State, uuid: int, local: dict[str, Any] | None,
+                      deadline: float) -> dict[str, Any] | None:
+    """The verdict every survivor uses for attempt ``uuid``: the first one published."""
+    key = f"{uuid}/verdict"
+    try:
+        if local is not None:
+            raw = st.store.compare_set(key, "", json.dumps(local))
+            return dict(json.loads(bytes(raw)))
+    except Exception as exc:
+        raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
+    raw = _get(st.store, key, deadline)
+    return None if raw is None else dict(json.loads(raw))
+
+
 # ---------------------------------------------------------------- recovery
 
 def recover(g: Guard, *, cause: BaseException | None = None) -> None:
@@ -393,7 +473,9 @@ def recover(g: Guard, *, cause: BaseException | None = None) -> None:
         detail = f"recovery: {type(cause).__name__}: {str(cause)[:200]}" if cause else "recovery"
         _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'}); "
                  f"waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
-        verdict = _wait_verdict(st, t0 + opts.verdict_timeout_s, detail)
+        deadline = t0 + opts.verdict_timeout_s
+        verdict = _agree_on_verdict(st, st.uuid + 1, _wait_verdict(st, deadline, detail),
+                                    deadline)
         if verdict is None:
             raise RecoveryFailed(
                 f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
