@@ -262,6 +262,7 @@ def setup(*, spares: int = 0, options: Options | None = None) -> State:
                                      f"{opts.arrival_timeout_s:g} s")
             handles.append(raw.decode())
         _reconfigure(1, handles, None, opts.reconfigure_timeout_s)
+    _tell_recorder(pg, 1, list(range(world)), members, "first configuration")
     threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
                      daemon=True).start()
     return st
@@ -552,6 +553,8 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
         raise RecoveryFailed(f"reconfigure (uuid {uuid}) failed: {exc}", [verdict]) from exc
     old = st.members
     st.members, st.uuid = members, uuid
+    _tell_recorder(c10d._get_default_group(), uuid, old, members,
+                   str(decision.get("reason", ""))[:300])
     _reform_subgroups(st, excluded, uuid, verdict)
     # Prove the new group works: every member adds its member id + 1.
     t = torch.tensor([float(st.me + 1)])
@@ -580,7 +583,7 @@ def _reform_subgroups(st: State, excluded: list[int], uuid: int,
         if not set(sub.members) & set(excluded):
             continue  # untouched: keeps working as it is
         keep = [m for m in sub.members if m not in excluded]
-        sub.members = keep
+        before, sub.members = sub.members, keep
         if st.me not in keep:
             continue
         key = f"{uuid}/sub{i}/h/"
@@ -597,6 +600,7 @@ def _reform_subgroups(st: State, excluded: list[int], uuid: int,
             _reconfigure(uuid, handles, sub.group, opts.reconfigure_timeout_s)
         except Exception as exc:
             raise RecoveryFailed(f"subgroup {keep}: reconfigure failed: {exc}", [verdict]) from exc
+        _tell_recorder(sub.group, uuid, before, keep, f"excluded {excluded}")
 
 
 def _admit_spares(st: State, uuid: int, wanted: int,
@@ -630,8 +634,9 @@ def _later_verdicts(st: State) -> list[dict[str, Any]]:
     return []
 
 
-def _note_recorder(st: State, record: dict[str, Any]) -> None:
-    """Tell the recorder (new incident, new rank and world size), when it listens."""
+def _tell_recorder(group: Any, uuid: int, old: Sequence[int], new: Sequence[int],
+                   reason: str) -> None:
+    """The recorder gives a re-formed group a new identity (recorder/_reconfig.py)."""
     try:
         import frforensics.recorder as recorder
     except Exception:
@@ -639,7 +644,15 @@ def _note_recorder(st: State, record: dict[str, Any]) -> None:
     note = getattr(recorder, "note_reconfigure", None)
     if note is not None:
         with contextlib.suppress(Exception):
-            note(**record)
+            note(group, uuid=uuid, old_members=list(old), members=list(new), reason=reason)
+
+
+def _note_recorder(st: State, record: dict[str, Any]) -> None:
+    """Tell the recorder (new incident, new rank and world size), when it listens."""
+    try:
+        import frforensics.recorder as recorder
+    except Exception:
+        return
     rearm = getattr(recorder, "rearm", None)
     if rearm is not None and recorder.is_enabled():
         with contextlib.suppress(Exception):

@@ -25,11 +25,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from frforensics.model import DeathInfo, DumpReason
 from frforensics.recorder._config import RecorderConfig
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from frforensics.recorder._dump import DumpWriter
     from frforensics.recorder._watchdog import Watchdog
 
-__all__ = ["disable", "dump", "enable", "is_enabled", "session"]
+__all__ = ["disable", "dump", "enable", "is_enabled", "note_reconfigure", "session"]
 
 _C = RecorderConfig  # the defaults below are RecorderConfig's, read from the class
 
@@ -66,6 +66,31 @@ _prev_excepthook = sys.excepthook
 def session() -> Session | None:
     """The running recorder (None when off)."""
     return _session
+
+
+def note_reconfigure(group: Any, *, uuid: int, old_members: Sequence[int],
+                     members: Sequence[int], reason: str = "") -> None:
+    """Tell the recorder that ``group`` was re-formed over ``members`` (recorder/_reconfig.py).
+
+    Called by ``frforensics.recovery`` after each ``_reconfigure``; never raises.
+    """
+    s = _session
+    if s is None:
+        return
+    try:
+        from frforensics.recorder._reconfig import Reconfigurations, reconfigured
+
+        log = _state_reconfig.get("log")
+        if log is None:
+            log = _state_reconfig["log"] = Reconfigurations()
+            s.writer.note_providers.append(log.notes)
+        reconfigured(s.rec, group, uuid=uuid, old_members=old_members, members=members,
+                     reason=reason, log=log)
+    except Exception as exc:
+        s.rec.note_error("note_reconfigure", exc)
+
+
+_state_reconfig: dict[str, Any] = {}
 
 
 def is_enabled() -> bool:
