@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import TracebackType
 from typing import Any, TypeVar
 
 from frforensics.errors import FrForensicsError
@@ -623,11 +622,12 @@ def _later_verdicts(st: State) -> list[dict[str, Any]]:
     except Exception:
         return []
     rearm, wait = getattr(recorder, "rearm", None), getattr(recorder, "wait_verdict", None)
-    if rearm is None or wait is None or not recorder.is_enabled():
+    request = getattr(recorder, "request_verdict", None)
+    if rearm is None or wait is None or request is None or not recorder.is_enabled():
         return []
     with contextlib.suppress(Exception):
         rearm()
-        recorder.request_verdict("recovery failed: a survivor did not arrive")
+        request("recovery failed: a survivor did not arrive")
         v = wait(st.options.arrival_timeout_s)
         if isinstance(v, dict):
             return [v]
@@ -742,6 +742,3 @@ def _reset_for_tests() -> None:
         _state.closed = True
     _state = None
 
-
-# Kept for typing: the guard's context-manager protocol (contextlib builds it).
-_ExitArgs = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
