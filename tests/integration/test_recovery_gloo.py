@@ -103,6 +103,8 @@ while step < TOTAL or (st.history and after < 20):
             emit(event="first_step_after", since_fail_s=time.time() - t_fail)
         after += 1
     step += 1
+if SCENARIO == "stop" and rank == 0:
+    recorder.dump("api", "after recovery")  # the test reads the group identities in it
 emit(event="done", after=after, members=recovery.state().members,
      rank=dist.get_rank(), world_size=dist.get_world_size(),
      tp_size=tp.size() if tp is not None else None)
@@ -166,11 +168,31 @@ def _assert_group_of_three(job: Any) -> None:
         assert (done["rank"], done["world_size"]) == (new_rank, 3)
 
 
+def _assert_recorder_split_the_group(job: Any) -> None:
+    """Ops before the change stay in group 0, ops after it are in 0@r2, seq from 1."""
+    trace = job.decode(0)
+    by_name = {g.name: (i, g) for i, g in enumerate(trace.groups)}
+    assert set(by_name) >= {"0", "0@r2"}, [g.name for g in trace.groups]
+    old_i, old = by_name["0"]
+    new_i, new = by_name["0@r2"]
+    assert old.ranks == (0, 1, 2, 3) and new.ranks == (0, 1, 3)
+    assert new.desc == old.desc
+    pg, seq = trace.entries.pg, trace.entries.seq
+    old_seqs = sorted(int(q) for g, q in zip(pg, seq, strict=True) if g == old_i)
+    new_seqs = sorted(int(q) for g, q in zip(pg, seq, strict=True) if g == new_i)
+    # 6 steps tried before (5 done, the 6th failed), then the check all_reduce,
+    # the step broadcast and 20 steps in the new group, numbered from 1 again.
+    assert old_seqs[-1] == 6
+    assert new_seqs[0] == 1 and len(new_seqs) == 22
+    assert any("members [0, 1, 2, 3] -> [0, 1, 3] (now 0@r2)" in n for n in trace.notes)
+
+
 def test_frozen_rank_is_excluded_and_the_other_three_train_on(run_job: Any) -> None:
     job = _start(run_job, "stop")
     try:
         _wait_events(job, [0, 1, 3], "done", 90)
         _assert_group_of_three(job)
+        _assert_recorder_split_the_group(job)
         # The frozen host comes back: it is told it was excluded and exits.
         os.kill(job.procs[2].pid, signal.SIGCONT)
         assert job.procs[2].wait(timeout=20) == 79, job.logs()
