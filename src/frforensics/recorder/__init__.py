@@ -24,14 +24,30 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from frforensics.model import DeathInfo, DumpReason
 
-__all__ = ["disable", "dump", "enable", "is_enabled"]
+__all__ = [
+    "EXIT_NO_VERDICT",
+    "EXIT_VERDICT",
+    "add_verdict_listener",
+    "disable",
+    "dump",
+    "enable",
+    "is_enabled",
+    "last_verdict",
+    "request_verdict",
+    "wait_verdict",
+]
+
+#: Exit code of every rank after the verdict with ``abort_after_verdict``
+#: (``FRFORENSICS_ABORT_AFTER_VERDICT=1``); ``EXIT_NO_VERDICT`` when none could be had.
+EXIT_VERDICT = 75
+EXIT_NO_VERDICT = 76
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
@@ -62,6 +78,13 @@ def enable(
     backends: Iterable[str] = ("gloo", "nccl"),
     cuda_events: bool = True,
     heartbeat_stale_s: float | None = None,
+    verdict: bool = True,
+    verdict_source: str = "auto",
+    verdict_timeout_s: float = 60.0,
+    on_verdict: Callable[[dict[str, Any]], None] | None = None,
+    on_verdict_command: str | None = None,
+    hook_timeout_s: float = 30.0,
+    abort_after_verdict: bool = False,
 ) -> Path:
     """Turn the recorder on for every process group created from now on.
 
@@ -74,6 +97,16 @@ def enable(
     unfinished or a peer raised the flag), ``"always"`` or ``"never"``.
     ``backends`` are the backend names routed through the recorder.
 
+    At hang time one elected rank computes the verdict in a child process
+    (``verdict``; docs/orchestrators.md): ``verdict_source`` ``"auto"`` (peers'
+    dump files where visible, their store digests otherwise), ``"dir"`` (the
+    dump directory is shared: no digests) or ``"store"``; the analysis is given
+    ``verdict_timeout_s``. ``on_verdict(verdict_dict)`` and
+    ``on_verdict_command`` (run with the verdict.json path appended) run once,
+    on the elected rank, for at most ``hook_timeout_s``; failures are logged.
+    ``abort_after_verdict``: every rank then exits with ``EXIT_VERDICT`` (75),
+    or ``EXIT_NO_VERDICT`` (76) when none could be had.
+
     Returns the dump directory. Raises ``ValueError`` for bad arguments only;
     anything going wrong later is logged once and never raised into the job.
     """
@@ -83,6 +116,10 @@ def enable(
         raise ValueError("timeout_s, buffer_size and the poll intervals must be positive")
     if dump_on_exit not in ("auto", "always", "never"):
         raise ValueError("dump_on_exit must be 'auto', 'always' or 'never'")
+    if verdict_source not in ("auto", "dir", "store"):
+        raise ValueError("verdict_source must be 'auto', 'dir' or 'store'")
+    if verdict_timeout_s <= 0 or hook_timeout_s <= 0:
+        raise ValueError("verdict_timeout_s and hook_timeout_s must be positive")
     path = Path(dump_dir).expanduser().resolve()
     config = RecorderConfig(
         dump_dir=path,
@@ -108,6 +145,18 @@ def enable(
 
         _pg.install(rec)
         rec.on_first_group = _start_watchdog
+        from frforensics.recorder._verdict import VerdictAgent, VerdictConfig
+
+        agent = VerdictAgent(rec, VerdictConfig(
+            enabled=verdict, source=verdict_source, verdict_timeout_s=float(verdict_timeout_s),
+            hook_timeout_s=float(hook_timeout_s), on_verdict=on_verdict,
+            on_verdict_command=on_verdict_command or None,
+            abort_after_verdict=abort_after_verdict,
+            listeners=list(_state.get("listeners", ())),
+        ))
+        rec.on_dumped = agent.on_dumped
+        rec.verdict_agent = agent
+        agent.start()
         _state["recorder"] = rec
         if not _state.get("hooks"):
             _state["hooks"] = True
@@ -144,6 +193,9 @@ def disable() -> None:
 
 def _stop(rec: Any) -> None:
     rec.active = False
+    agent = getattr(rec, "verdict_agent", None)
+    if agent is not None:
+        agent.events.put(("stop", None))
     from frforensics.recorder import _pg
 
     _pg.uninstall()
@@ -184,6 +236,67 @@ def dump(reason: str = "api", detail: str = "") -> Path | None:
     return result
 
 
+def _agent() -> Any:
+    rec = _recorder()
+    return None if rec is None else getattr(rec, "verdict_agent", None)
+
+
+def last_verdict() -> dict[str, Any] | None:
+    """The newest verdict this rank learned (``frforensics.verdict/1`` dict), or None."""
+    agent = _agent()
+    return None if agent is None else agent.last
+
+
+def wait_verdict(timeout_s: float, incident: int | None = None) -> dict[str, Any] | None:
+    """Block up to ``timeout_s`` until this rank knows the verdict of ``incident``
+    (default: the current one); the verdict dict, or None. Never raises."""
+    agent = _agent()
+    if agent is None:
+        return None
+    try:
+        result: dict[str, Any] | None = agent.wait(timeout_s, incident)
+        return result
+    except Exception:
+        return None
+
+
+def add_verdict_listener(fn: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``fn(verdict)`` on this rank whenever it learns a verdict (every live
+    rank, the elected one included), bounded by ``hook_timeout_s``, failures logged."""
+    listeners = _state.setdefault("listeners", [])
+    listeners.append(fn)
+    agent = _agent()
+    if agent is not None and fn not in agent.config.listeners:
+        agent.config.listeners.append(fn)
+
+
+def request_verdict(detail: str = "") -> bool:
+    """Raise the job-wide dump flag from this rank now: every live rank dumps and
+    one verdict follows (for a failed op where no watchdog deadline fired).
+
+    Returns False when the flag was already up, or there is no recorder or store.
+    """
+    rec = _recorder()
+    agent = _agent()
+    if rec is None or agent is None or rec.store is None or rec.flag_raised:
+        return False
+    try:
+        import time
+
+        agent.requested = True
+        path = rec.dump(DumpReason.API, f"verdict requested: {detail}"[:500], native=False)
+        if path is None:
+            return False
+        won: bool = rec.raise_flag({"rank": rec.current_rank(), "pg": "", "desc": "",
+                                    "op": "", "seq": -1, "seq_kind": "", "age_s": 0.0,
+                                    "time_ns": time.time_ns(),
+                                    "detail": f"verdict requested: {detail}"[:500]})
+        return won
+    except Exception as exc:
+        rec.note_error("request_verdict", exc)
+        return False
+
+
 def _excepthook(exc_type: type[BaseException], exc: BaseException,
                 tb: TracebackType | None) -> None:
     try:
@@ -214,6 +327,11 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
                     # reading stands in).
                     rec.stale_peers()
             rec.dump(DumpReason.EXCEPTION, message[:500], death=death, automatic=True)
+            agent = getattr(rec, "verdict_agent", None)
+            if agent is not None:
+                # A lost peer: every survivor is dying, no watchdog will fire; raise
+                # the flag and stay (bounded) for the verdict.
+                agent.after_exception(message, _is_peer_loss(message))
     except Exception:
         pass
     previous = _state.get("prev_excepthook") or sys.__excepthook__
@@ -288,4 +406,11 @@ def _autoenable() -> None:
         dump_on_exit=env.get("FRFORENSICS_DUMP_ON_EXIT", "auto"),
         save_native=env.get("FRFORENSICS_SAVE_NATIVE", "1") not in ("0", "false", "no"),
         backends=[b for b in env.get("FRFORENSICS_BACKENDS", "gloo,nccl").split(",") if b],
+        verdict=env.get("FRFORENSICS_VERDICT", "1").lower() not in ("0", "false", "no"),
+        verdict_source=env.get("FRFORENSICS_VERDICT_SOURCE", "auto"),
+        verdict_timeout_s=num("FRFORENSICS_VERDICT_TIMEOUT_S", 60.0),
+        on_verdict_command=env.get("FRFORENSICS_ON_VERDICT") or None,
+        hook_timeout_s=num("FRFORENSICS_HOOK_TIMEOUT_S", 30.0),
+        abort_after_verdict=env.get("FRFORENSICS_ABORT_AFTER_VERDICT", "0").lower()
+        not in ("0", "false", "no", ""),
     )

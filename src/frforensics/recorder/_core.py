@@ -83,6 +83,9 @@ class Recorder:
         self.flag_raised = False
         self.watchdog: Any = None
         self.on_first_group: Callable[[Recorder], None] | None = None
+        # Told of every dump written (the verdict agent, recorder/_verdict.py).
+        self.on_dumped: Callable[[DumpReason, Any, Path], None] | None = None
+        self.verdict_agent: Any = None
         self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
         self.resolution_ns = int(config.poll_interval_s * 1e9)
 
@@ -199,6 +202,11 @@ class Recorder:
                 trace = build_trace(self, reason, detail, death or self.death)
                 path = frdump.write_atomic(self.dump_path(), frdump.encode(trace))
                 self.dumped_reasons.append(reason)
+                if self.on_dumped is not None:
+                    try:
+                        self.on_dumped(reason, trace, path)
+                    except Exception as exc:
+                        self.note_error("after dump", exc)
                 if self.death is None and reason in (DumpReason.WATCHDOG_TIMEOUT,
                                                      DumpReason.PEER_SIGNAL):
                     self.hang_dump_written = True
