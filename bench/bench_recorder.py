@@ -160,7 +160,7 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
     import torch.distributed as dist
 
     import frforensics.recorder as recorder
-    from frforensics.recorder import _pg
+    from frforensics.recorder import _c10d, _pg
 
     recorder.enable(tempfile.mkdtemp(prefix="frbench_"), timeout_s=600, save_native=False,
                     stack_depth=stack_depth)
@@ -169,10 +169,12 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
-    _pg.uninstall()  # the next group is a plain gloo one
+    _c10d.uninstall()  # the next group is a plain gloo one
     plain = dist.new_group([0], backend="gloo")
-    rec = recorder._recorder()
-    dog_clock = time.pthread_getcpuclockid(rec.watchdog.ident)
+    sess = recorder.session()
+    assert sess is not None and sess.watchdog is not None
+    rec, dog = sess.rec, sess.watchdog
+    dog_clock = time.pthread_getcpuclockid(dog.ident)
     t = torch.ones(16)
 
     # The recording wrapper over a no-op backend: our own cost, no gloo.
@@ -238,7 +240,7 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
         print(f"{name:<22} {statistics.median(wall[name]):>9.2f} "
               f"{statistics.median(cpu[name]):>9.2f} {added:>+10.2f} "
               f"{statistics.median(dog[name]):>16.2f}")
-    rec.watchdog.drop_works()
+    dog.drop_works()
     dist.destroy_process_group()
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from frforensics.model import DumpReason, OpState
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.torch215]
 
 EVERYTHING = r"""
 import json

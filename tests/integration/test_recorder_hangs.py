@@ -13,7 +13,7 @@ import pytest
 
 from frforensics.model import DumpReason, OpState
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.torch215]
 
 DEADLINE_S = 2.0
 # Startup (4 interpreters importing torch on 2 cores) is not part of the budget:

@@ -1,4 +1,13 @@
-"""The recorder's process-wide state: config, ring, groups, store client, dumping."""
+"""The recorder's torch-free state: ring, groups, counters, store coordination.
+
+Bottom of the recorder's one-way stack (docs/recorder.md, "Layout")::
+
+    _config, _ring  <-  _core  <-  _dump, _watchdog  <-  _pg (the wrapper)
+        <-  _c10d (installation into torch, version probes)  <-  __init__ (API)
+
+Nothing here imports torch: the store client and the backend works are reached
+through the small protocols below, which torch's objects satisfy.
+"""
 
 from __future__ import annotations
 
@@ -12,44 +21,101 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Protocol
 
-from frforensics.model import DeathInfo, DumpReason, Frame, PeerHeartbeat
+from frforensics.model import DeathInfo, Frame, PeerHeartbeat
 from frforensics.recorder import _ring as R
+from frforensics.recorder._config import RecorderConfig
+
+__all__ = ["GroupState", "Recorder", "RecorderConfig", "StoreLike", "WorkLike"]
 
 log = logging.getLogger("frforensics.recorder")
 
 FLAG_KEY = "dump_flag"
 
+Entry = list[Any]
+"""One ring entry: a list with the slots of :mod:`._ring` (``R.STATE``, ...)."""
 
-@dataclass(frozen=True)
-class RecorderConfig:
-    """Settings of :func:`frforensics.recorder.enable` (see its docstring)."""
 
-    dump_dir: Path
-    timeout_s: float = 600.0
-    buffer_size: int = 2000
-    poll_interval_s: float = 0.01
-    store_poll_interval_s: float = 1.0
-    stack_depth: int = 8
-    heartbeat_stale_s: float | None = None
-    dump_signals: tuple[int, ...] = ()
-    dump_on_exception: bool = True
-    dump_on_exit: str = "auto"
-    save_native: bool = True
-    wrap_backends: tuple[str, ...] = ("gloo", "nccl")
-    cuda_events: bool = True
-    store_timeout_s: float = 5.0
-    stale_check_max_world: int = 4096
-    extra_notes: tuple[str, ...] = field(default=())
+class WorkLike(Protocol):
+    """What the recorder asks of a backend's ``Work``."""
+
+    def is_completed(self) -> bool: ...
+
+    def get_future(self) -> Any: ...
+
+
+class StoreLike(Protocol):
+    """The c10d store calls the recorder makes (a ``PrefixStore`` over a clone)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def check(self, keys: list[str]) -> bool: ...
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+
+    def multi_get(self, keys: list[str]) -> list[bytes]: ...
+
+
+Tracked = tuple[Entry, WorkLike]
+"""An op the watchdog polls: its entry and the backend work that finishes it."""
+
+
+class GroupState:
+    """Per-group counters (PyTorch semantics) and identity, one per wrapper."""
+
+    __slots__ = (
+        "backend",
+        "block_id",
+        "block_p2p",
+        "cuda",
+        "desc",
+        "index",
+        "last",
+        "name",
+        "p2p_seq",
+        "ranks",
+        "recv_count",
+        "send_count",
+        "seq",
+        "timeout_ms",
+    )
+
+    def __init__(self, index: int, name: str, desc: str, ranks: tuple[int, ...],
+                 backend: str, timeout_ms: int) -> None:
+        self.index = index
+        self.name = name
+        self.desc = desc
+        self.ranks = ranks
+        self.backend = backend
+        self.timeout_ms = timeout_ms
+        self.seq = 0
+        self.p2p_seq = 0
+        self.send_count: dict[int, int] = {}
+        self.recv_count: dict[int, int] = {}
+        self.block_id = -1  # coalescing block in progress (-1: none)
+        self.block_p2p = -1  # -1 unknown yet, 0 collective block, 1 p2p block
+        # The newest (entry, work) of this group: the watchdog polls it; when the
+        # next op comes, it is dropped if done, else handed to the watchdog.
+        self.last: Tracked | None = None
+        self.cuda = False  # the group has a CUDA backend (is_completed queries events)
+
+    def global_rank(self, group_rank: int) -> int:
+        ranks = self.ranks
+        return ranks[group_rank] if 0 <= group_rank < len(ranks) else -1
 
 
 class Recorder:
-    """Everything one process records; one instance while enabled."""
+    """Everything one process records; one instance while enabled.
+
+    Torch-free: the wrapper (``_pg``) writes entries into ``ring`` and hands
+    unfinished works to ``pending``; the watchdog and the dump writer read them.
+    """
 
     def __init__(self, config: RecorderConfig) -> None:
         self.config = config
@@ -59,33 +125,32 @@ class Recorder:
         self.stack_depth = max(0, int(config.stack_depth))
         self.frame_filter = R.FrameFilter(R.default_skip_prefixes())
         self.wrap_backends = config.wrap_backends
-        self.pending: collections.deque[tuple[list[Any], Any]] = collections.deque()
-        self.groups: list[Any] = []  # GroupState, by index
+        self.pending: collections.deque[Tracked] = collections.deque()
+        self.groups: list[GroupState] = []
         self._block_counter = 0
-        self.store: Any = None
+        self.store: StoreLike | None = None
         self.store_dead = False
         self.rank: int | None = None
         self.world_size: int | None = None
-        self.dump_lock = threading.RLock()
-        self.dumped_reasons: list[DumpReason] = []
         # A watchdog/peer-signal dump written while the process was alive: the
         # hang's evidence, which a later exception (the backend's own timeout)
         # or exit dump must not replace.
         self.hang_dump_written = False
         # How this process died (uncaught exception in the main thread, exit with
-        # ops unfinished), once known: every later dump carries it, so a peer's
-        # dump flag or the watchdog cannot erase the death (docs/recorder.md).
+        # ops unfinished, a teardown signal), once known: every later dump carries
+        # it, so a peer's dump flag or the watchdog cannot erase the death.
         self.death: DeathInfo | None = None
         self.last_stale: tuple[PeerHeartbeat, ...] = ()  # the last successful reading
         self.errors_logged: set[str] = set()
         self.main_ident = threading.main_thread().ident
         self.flag_seen: str | None = None
         self.flag_raised = False
-        self.watchdog: Any = None
-        self.on_first_group: Callable[[Recorder], None] | None = None
-        # Told of every dump written (the verdict agent, recorder/_verdict.py).
-        self.on_dumped: Callable[[DumpReason, Any, Path], None] | None = None
-        self.verdict_agent: Any = None
+        # Called with each new group (the API starts the watchdog on the first).
+        self.group_listeners: list[Callable[[GroupState], None]] = []
+        # Called once the store client is attached (the watchdog wakes up).
+        self.store_listeners: list[Callable[[], None]] = []
+        # Why groups are created unrecorded (a failed probe), for the dump notes.
+        self.unrecorded: list[str] = []
         self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
         self.resolution_ns = int(config.poll_interval_s * 1e9)
 
@@ -94,18 +159,6 @@ class Recorder:
     def next_block_id(self) -> int:
         self._block_counter += 1
         return self._block_counter
-
-    def cuda_info(self, tensor: Any) -> tuple[str, int, Any]:
-        import torch as _torch
-
-        torch: Any = _torch
-        dev = tensor.device
-        stream = torch.cuda.current_stream(dev)
-        event = None
-        if self.config.cuda_events:
-            event = torch.cuda.Event()
-            event.record(stream)
-        return f"cuda:{dev.index}", int(stream.cuda_stream), event
 
     def note_error(self, where: str, exc: BaseException) -> None:
         """One log line per kind of failure; never raises."""
@@ -119,56 +172,39 @@ class Recorder:
     # ------------------------------------------------------------ groups and store
 
     def new_group(self, *, name: str, desc: str, ranks: tuple[int, ...], backend: str,
-                  timeout_ms: int) -> Any:
-        from frforensics.recorder._pg import GroupState
-
-        effective = min(timeout_ms, int(self.config.timeout_s * 1000)) if timeout_ms > 0 else int(
-            self.config.timeout_s * 1000)
+                  timeout_ms: int) -> GroupState:
+        deadline = self.config.deadline_ms
+        effective = min(timeout_ms, deadline) if timeout_ms > 0 else deadline
         state = GroupState(len(self.groups), name, desc, ranks, backend, effective)
         self.groups.append(state)
-        if self.watchdog is None and self.on_first_group is not None:
+        for listener in list(self.group_listeners):
             try:
-                self.on_first_group(self)
+                listener(state)
             except Exception as exc:
-                self.note_error("watchdog start", exc)
+                self.note_error("group listener", exc)
         return state
 
-    def attach_store(self, store: Any, rank: int, world_size: int) -> None:
-        """Keep a store client of our own for the flag and heartbeats."""
+    def set_store(self, client: StoreLike | None, rank: int, world_size: int) -> None:
+        """Use ``client`` (already namespaced and cloned) for the flag and heartbeats."""
         self.rank = int(rank)
         self.world_size = int(world_size)
-        try:
-            import torch.distributed as _dist
-
-            dist: Any = _dist
-            root = store
-            while isinstance(root, dist.PrefixStore):
-                root = root.underlying_store
-            client = root
-            if isinstance(root, dist.TCPStore):
-                with contextlib.suppress(Exception):
-                    client = root.clone()
+        self.store = client
+        if client is not None:
+            try:
+                client.set(f"hb/{self.rank}", str(time.time_ns()))
+            except Exception as exc:
+                self.store = None
+                self.note_error("store client", exc)
+        for listener in list(self.store_listeners):
             with contextlib.suppress(Exception):
-                from datetime import timedelta
-
-                client.set_timeout(timedelta(seconds=self.config.store_timeout_s))
-            self.store = dist.PrefixStore(self.namespace, client)
-            self.store.set(f"hb/{self.rank}", str(time.time_ns()))
-        except Exception as exc:
-            self.store = None
-            self.note_error("store client", exc)
-        if self.watchdog is not None:
-            self.watchdog.wake()
-
-    # ------------------------------------------------------------ dumping
+                listener()
 
     def current_rank(self) -> int:
         if self.rank is not None:
             return self.rank
+        dist: Any = sys.modules.get("torch.distributed")  # only if torch is loaded
         with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            if dist.is_initialized():
+            if dist is not None and dist.is_initialized():
                 return int(dist.get_rank())
         env = os.environ.get("RANK")
         return int(env) if env and env.isdigit() else 0
@@ -176,67 +212,8 @@ class Recorder:
     def dump_path(self) -> Path:
         return self.config.dump_dir / f"frdump_rank_{self.current_rank()}"
 
-    def dump(self, reason: DumpReason, detail: str = "", *, death: DeathInfo | None = None,
-             automatic: bool = False, native: bool = True) -> Path | None:
-        """Write this rank's dump now. Never raises; returns the path or None."""
-        try:
-            with self.dump_lock:
-                if automatic and reason in (DumpReason.EXCEPTION, DumpReason.EXIT):
-                    if self.hang_dump_written:
-                        # Keep the hang dump: a later exception (the backend's own
-                        # timeout) would replace the evidence with a less useful one.
-                        return None
-                    if reason is DumpReason.EXIT and self.death is not None and (
-                            self.death.kind == "exception"):
-                        return None  # the exception dump already tells how it died
-                if death is not None and (self.death is None or death.kind == "exception"):
-                    self.death = death
-                from frforensics.formats import frdump
-                from frforensics.recorder._dump import build_trace
-
-                if self.watchdog is not None:
-                    try:
-                        self.watchdog.settle_for_dump()
-                    except Exception as exc:
-                        self.note_error("settle", exc)
-                trace = build_trace(self, reason, detail, death or self.death)
-                path = frdump.write_atomic(self.dump_path(), frdump.encode(trace))
-                self.dumped_reasons.append(reason)
-                if self.on_dumped is not None:
-                    try:
-                        self.on_dumped(reason, trace, path)
-                    except Exception as exc:
-                        self.note_error("after dump", exc)
-                if self.death is None and reason in (DumpReason.WATCHDOG_TIMEOUT,
-                                                     DumpReason.PEER_SIGNAL):
-                    self.hang_dump_written = True
-                with contextlib.suppress(Exception):
-                    log.warning("frforensics: rank %s dumped (%s) to %s", trace.rank,
-                                reason.value, path)
-            if native and self.config.save_native:
-                self.save_native()
-            return path
-        except Exception as exc:
-            self.note_error("dump", exc)
-            return None
-
-    def save_native(self) -> None:
-        """Save PyTorch's own flight-recorder dump beside ours, pg_config repaired."""
-        try:
-            if os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get(
-                    "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")) in ("0", ""):
-                return
-            from frforensics.recorder._dump import native_dump_bytes
-
-            data = native_dump_bytes(self)
-            if data is None:
-                return
-            from frforensics.formats import frdump
-
-            frdump.write_atomic(self.config.dump_dir / f"nccl_trace_rank_{self.current_rank()}",
-                                data)
-        except Exception as exc:
-            self.note_error("native dump", exc)
+    def native_dump_path(self) -> Path:
+        return self.config.dump_dir / f"nccl_trace_rank_{self.current_rank()}"
 
     # ------------------------------------------------------------ store coordination
 
@@ -248,10 +225,9 @@ class Recorder:
         self.flag_raised = True
         try:
             text = json.dumps(payload, sort_keys=True)
-            current = store.compare_set(FLAG_KEY, "", text)
-            won = (current.decode() if isinstance(current, bytes) else str(current)) == text
-            self.flag_seen = text if won else (current.decode() if isinstance(current, bytes)
-                                               else str(current))
+            current = _text(store.compare_set(FLAG_KEY, "", text))
+            won = current == text
+            self.flag_seen = text if won else current
             return won
         except Exception as exc:
             self.note_error("store flag", exc)
@@ -264,8 +240,7 @@ class Recorder:
             return None
         if not store.check([FLAG_KEY]):
             return None
-        value = store.get(FLAG_KEY)
-        return value.decode() if isinstance(value, bytes) else str(value)
+        return _text(store.get(FLAG_KEY))
 
     def heartbeat(self) -> None:
         if self.store is not None and self.rank is not None and not self.store_dead:
@@ -292,9 +267,7 @@ class Recorder:
             return None
         if world > self.config.stale_check_max_world:
             return ()
-        limit = self.config.heartbeat_stale_s
-        if limit is None:
-            limit = max(3.0 * self.config.store_poll_interval_s, 2.0)
+        limit = self.config.stale_limit_s
         keys = [f"hb/{r}" for r in range(world) if r != me]
         if not keys:
             return ()
@@ -352,6 +325,7 @@ def job_id() -> str | None:
     return None
 
 
-def current_exception_info() -> tuple[type[BaseException] | None, BaseException | None,
-                                      TracebackType | None]:
-    return sys.exc_info()
+def _text(value: bytes | str | Sequence[int]) -> str:
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)

@@ -7,12 +7,15 @@ objects into frames, and monotonic times into wall-clock nanoseconds.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import pickle
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -27,10 +30,9 @@ from frforensics.model import (
     ThreadStack,
 )
 from frforensics.recorder import _ring as R
-from frforensics.recorder._core import frames_of, host_name, job_id
+from frforensics.recorder._core import Recorder, frames_of, host_name, job_id
 
-if TYPE_CHECKING:
-    from frforensics.recorder._core import Recorder
+log = logging.getLogger("frforensics.recorder")
 
 _DTYPE_NAMES: dict[Any, str] = {}
 
@@ -76,7 +78,7 @@ class _Strings:
 
 
 def build_trace(rec: Recorder, reason: DumpReason, detail: str,
-                death: DeathInfo | None) -> RankTrace:
+                death: DeathInfo | None, extra_notes: Iterable[str] = ()) -> RankTrace:
     """Snapshot the ring, the groups and every thread's stack into a RankTrace."""
     mono_now = time.monotonic_ns()
     wall_now = time.time_ns()
@@ -193,6 +195,8 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     elif rec.store_dead:
         notes.append("store unreachable at dump time: dumped locally only")
     notes.extend(rec.config.extra_notes)
+    notes.extend(f"not recorded: {why}" for why in rec.unrecorded)
+    notes.extend(extra_notes)
     from frforensics.recorder._identity import local_identity
 
     ident = local_identity([e[R.DEVICE] for e in entries[-64:] if e[R.DEVICE]])
@@ -229,31 +233,109 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     )
 
 
-def native_dump_bytes(rec: Recorder) -> bytes | None:
-    """PyTorch's own dump with gloo's empty ``pg_config`` filled from our groups."""
-    from torch._C import _distributed_c10d as C
+@dataclass(frozen=True)
+class DumpWritten:
+    """What a post-dump hook is told: the file written and the trace in it."""
 
-    dump_fn = getattr(C, "_dump_fr_trace", None)
-    if dump_fn is None:
-        return None
-    # Without C++ stack traces: symbolizing them takes seconds (measured 1.1 s for
-    # 100 entries); the Python frames of each entry are kept.
-    raw = dump_fn(includeStackTraces=False)
-    if not raw:
-        return None
-    from frforensics.formats.native import decode_pickle
+    path: Path
+    reason: DumpReason
+    trace: RankTrace
+    automatic: bool
 
-    doc = decode_pickle(bytes(raw), source="torch._dump_fr_trace")
-    if not isinstance(doc, dict) or not doc.get("entries"):
-        return None
-    config = doc.get("pg_config")
-    broken = not isinstance(config, dict) or any(
-        not (isinstance(v, dict) and v.get("name")) for v in config.values())
-    if broken or not config:
-        doc["pg_config"] = {
-            g.name: {"name": g.name, "desc": g.desc, "ranks": str(list(g.ranks))}
-            for g in rec.groups
-        }
-    with contextlib.suppress(Exception):
-        doc.setdefault("rank", rec.current_rank())
-    return pickle.dumps(doc, protocol=4)
+
+NativeSource = Callable[[Recorder], bytes | None]
+"""Returns PyTorch's own dump of this process (bytes to save), or None."""
+
+
+class DumpWriter:
+    """Writes this rank's dump (and PyTorch's beside it) under the dump rules.
+
+    The rules (docs/recorder.md, "Dumps"): an automatic exception/exit dump never
+    replaces a hang dump written while the process was alive; once the death is
+    known, every later dump carries it. Hooks:
+
+    * ``settle``: called before each dump (the watchdog's final poll);
+    * ``note_providers``: each returns extra notes for one dump (per-dump metadata);
+    * ``post_dump_hooks``: called after each successful write, outside the lock,
+      with a :class:`DumpWritten`; a raising hook is logged once and ignored;
+    * ``native_source``: the installed torch's native dump (set by ``_c10d``).
+    """
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.lock = threading.RLock()
+        self.dumped_reasons: list[DumpReason] = []
+        self.settle: Callable[[], None] | None = None
+        self.note_providers: list[Callable[[DumpReason], Iterable[str]]] = []
+        self.post_dump_hooks: list[Callable[[DumpWritten], None]] = []
+        self.native_source: NativeSource | None = None
+
+    def dump(self, reason: DumpReason, detail: str = "", *, death: DeathInfo | None = None,
+             automatic: bool = False, native: bool = True) -> Path | None:
+        """Write this rank's dump now. Never raises; returns the path or None."""
+        rec = self.rec
+        try:
+            with self.lock:
+                if automatic and reason in (DumpReason.EXCEPTION, DumpReason.EXIT):
+                    if rec.hang_dump_written:
+                        # Keep the hang dump: a later exception (the backend's own
+                        # timeout) would replace the evidence with a less useful one.
+                        return None
+                    if reason is DumpReason.EXIT and rec.death is not None and (
+                            rec.death.kind in ("exception", "signal")):
+                        return None  # the exception/signal dump already tells how it died
+                if death is not None and (rec.death is None or death.kind == "exception"):
+                    rec.death = death
+                from frforensics.formats import frdump
+
+                if self.settle is not None:
+                    try:
+                        self.settle()
+                    except Exception as exc:
+                        rec.note_error("settle", exc)
+                notes: list[str] = []
+                for provider in list(self.note_providers):
+                    try:
+                        notes.extend(provider(reason))
+                    except Exception as exc:
+                        rec.note_error("dump note provider", exc)
+                trace = build_trace(rec, reason, detail, death or rec.death, notes)
+                path = frdump.write_atomic(rec.dump_path(), frdump.encode(trace))
+                self.dumped_reasons.append(reason)
+                if rec.death is None and reason in (DumpReason.WATCHDOG_TIMEOUT,
+                                                    DumpReason.PEER_SIGNAL):
+                    rec.hang_dump_written = True
+                with contextlib.suppress(Exception):
+                    log.warning("frforensics: rank %s dumped (%s) to %s", trace.rank,
+                                reason.value, path)
+            if native and rec.config.save_native:
+                self.save_native()
+            written = DumpWritten(path=path, reason=reason, trace=trace, automatic=automatic)
+            for hook in list(self.post_dump_hooks):
+                try:
+                    hook(written)
+                except Exception as exc:
+                    rec.note_error("post-dump hook", exc)
+            return path
+        except Exception as exc:
+            rec.note_error("dump", exc)
+            return None
+
+    def save_native(self) -> None:
+        """Save PyTorch's own flight-recorder dump beside ours (when it has one)."""
+        rec = self.rec
+        source = self.native_source
+        if source is None:
+            return
+        try:
+            if os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get(
+                    "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")) in ("0", ""):
+                return
+            data = source(rec)
+            if data is None:
+                return
+            from frforensics.formats import frdump
+
+            frdump.write_atomic(rec.native_dump_path(), data)
+        except Exception as exc:
+            rec.note_error("native dump", exc)

@@ -1,55 +1,35 @@
-"""The hook: a Python ``ProcessGroup`` that records every op and forwards it.
+"""The wrapper: a Python ``ProcessGroup`` that records every op and forwards it.
 
-How it gets in (torch 2.13, see docs/recorder.md):
-
-* ``dist.Backend.register_backend("frforensics", creator, extended_api=True)``
-  makes a plugin whose creator returns a :class:`RecordingProcessGroup`;
-  ``_new_process_group_helper`` uses a returned ``ProcessGroup`` subclass as the
-  whole group.
-* PyTorch resolves the built-in names (``gloo``, ``nccl``, device maps) before it
-  looks at plugins, so :func:`install` wraps ``_new_process_group_helper``: for a
-  routed name it calls the original with the plugin name and hands the real
-  backend string to the creator, then puts the real name back into
-  ``_world.pg_map`` so ``dist.get_backend()`` (and ``monitored_barrier``, DDP's
-  backend checks) still see ``gloo``/``nccl``.
-* The wrapper holds one real backend per device type, registers each on itself
-  (C++ callers of non-virtual entry points still reach them) and dispatches
-  every Python-visible call by tensor device.
+:class:`RecordingProcessGroup` holds one real backend per device type (built by
+``_c10d`` through the creator the installed torch registered), registers each on
+itself (C++ callers of non-virtual entry points still reach them) and dispatches
+every Python-visible call by tensor device. It writes entries into the
+recorder's ring (``_core``) and knows nothing of how it was installed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch as _torch
 import torch.distributed as _dist
 from torch.distributed import distributed_c10d as _c10d
 
 from frforensics.recorder import _ring as R
-
-if TYPE_CHECKING:
-    from frforensics.recorder._core import Recorder
+from frforensics.recorder._core import Entry, GroupState, Recorder, Tracked
 
 # torch's stubs do not describe the private c10d surface this module drives.
 torch: Any = _torch
 dist: Any = _dist
 c10d: Any = _c10d
 
-
-PLUGIN_NAME = "frforensics"
-
-_BackendType = dist.ProcessGroup.BackendType
-_TYPE_OF = {"gloo": _BackendType.GLOO, "nccl": _BackendType.NCCL}
-if hasattr(_BackendType, "XCCL"):
-    _TYPE_OF["xccl"] = _BackendType.XCCL
 
 _mono = time.monotonic_ns
 _get_ident = threading.get_ident
@@ -60,63 +40,6 @@ _capture = R.capture_stack
 _walk = R.fast_walk
 _Tensor = torch.Tensor
 _AllreduceOptions = dist.AllreduceOptions
-
-
-@dataclass
-class GroupRequest:
-    """What the patched helper knows about the group being made, for the creator."""
-
-    backend: str
-    backend_options: Any
-    group_desc: str
-    is_default: bool
-
-
-_request = threading.local()
-
-
-class GroupState:
-    """Per-group counters (PyTorch semantics) and identity, one per wrapper."""
-
-    __slots__ = (
-        "backend",
-        "block_id",
-        "block_p2p",
-        "cuda",
-        "desc",
-        "index",
-        "last",
-        "name",
-        "p2p_seq",
-        "ranks",
-        "recv_count",
-        "send_count",
-        "seq",
-        "timeout_ms",
-    )
-
-    def __init__(self, index: int, name: str, desc: str, ranks: tuple[int, ...],
-                 backend: str, timeout_ms: int) -> None:
-        self.index = index
-        self.name = name
-        self.desc = desc
-        self.ranks = ranks
-        self.backend = backend
-        self.timeout_ms = timeout_ms
-        self.seq = 0
-        self.p2p_seq = 0
-        self.send_count: dict[int, int] = {}
-        self.recv_count: dict[int, int] = {}
-        self.block_id = -1  # coalescing block in progress (-1: none)
-        self.block_p2p = -1  # -1 unknown yet, 0 collective block, 1 p2p block
-        # The newest (entry, work) of this group: the watchdog polls it; when the
-        # next op comes, it is dropped if done, else handed to the watchdog.
-        self.last: tuple[list[Any], Any] | None = None
-        self.cuda = False  # the group has a CUDA backend (is_completed queries events)
-
-    def global_rank(self, group_rank: int) -> int:
-        ranks = self.ranks
-        return ranks[group_rank] if 0 <= group_rank < len(ranks) else -1
 
 
 def _as_list(tensors: Any) -> list[Any]:
@@ -159,15 +82,28 @@ def _advance(st: GroupState, op: str, peer: int, is_p2p: bool,
     return seq, p2p_seq, peer_seq
 
 
-def _push(st: GroupState, pending: Any, entry: list[Any], work: Any) -> None:
+def _cuda_info(rec: Recorder, tensor: Any) -> tuple[str, int, Any]:
+    """Device, caller's stream handle and (when enabled) an event recorded on it."""
+    dev = tensor.device
+    stream = torch.cuda.current_stream(dev)
+    event = None
+    if rec.config.cuda_events:
+        event = torch.cuda.Event()
+        event.record(stream)
+    return f"cuda:{dev.index}", int(stream.cuda_stream), event
+
+
+def _push(st: GroupState, pending: deque[Tracked], entry: Entry, work: Any) -> None:
     """Make ``(entry, work)`` the group's newest op; settle the previous one.
 
     Most ops are finished when the next one is issued (``dist.*`` waits on
-    them): those are stamped here and dropped at once, so the watchdog only
-    ever looks at each group's newest op and at the few ops still running when
-    their successor was issued (``pending``). The stamp is no later than the
-    watchdog's would have been. CUDA works go to the watchdog (``is_completed``
-    queries events there, not on the training thread).
+    them): those are stamped ``completed`` here, so the watchdog only polls each
+    group's newest op and the few ops still running when their successor was
+    issued. The stamp is no later than the watchdog's would have been. Either
+    way the op goes to ``pending``: the watchdog reads a stamped op's result
+    once (a failed op followed by more ops stays ``failed``) and drops it; the
+    training thread never pays for reading results. CUDA works go to the
+    watchdog unstamped (``is_completed`` queries events there).
     """
     prev = st.last
     st.last = (entry, work)
@@ -177,8 +113,7 @@ def _push(st: GroupState, pending: Any, entry: list[Any], work: Any) -> None:
             if not st.cuda and prev[1].is_completed():
                 pe[16] = _mono()  # R.T_COMPLETE
                 pe[13] = 2
-            else:
-                pending.append(prev)
+            pending.append(prev)
 
 
 class RecordedWork(dist.Work):  # type: ignore[misc]
@@ -188,7 +123,7 @@ class RecordedWork(dist.Work):  # type: ignore[misc]
     ``is_completed()`` stays False until somebody waits on them.
     """
 
-    def __init__(self, inner: Any, entry: list[Any]) -> None:
+    def __init__(self, inner: Any, entry: Entry) -> None:
         super().__init__()
         self._inner = inner
         self._entry = entry
@@ -238,6 +173,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def __init__(self, recorder: Recorder, state: GroupState, rank: int, size: int,
                  backends: dict[str, Any], default_device: str) -> None:
+        # ``backends``: device type -> the real backend torch's creator built.
         super().__init__(rank, size)
         self._frf_rec = recorder
         self._frf_state = state
@@ -264,7 +200,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _frf_record(self, op: str, inputs: tuple[Any, ...], outputs: tuple[Any, ...],
                     reduce_op: Any, root: int, peer: int, is_p2p: bool,
-                    first: Any) -> list[Any] | None:
+                    first: Any) -> Entry | None:
         # The hot path: every statement here is paid per op (see docs/recorder.md,
         # "Overhead"). References only; names and strings are made at dump time.
         rec = self._frf_rec
@@ -280,7 +216,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             else:
                 seq, p2p_seq, peer_seq = _advance(st, op, peer, is_p2p, block)
             if self._frf_cuda and first is not None and first.is_cuda:
-                device, stream, event = rec.cuda_info(first)
+                device, stream, event = _cuda_info(rec, first)
             else:
                 device, stream, event = None, -1, None
             rid = rec.count
@@ -299,7 +235,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
             rec.note_error("record", exc)
             return None
 
-    def _frf_track(self, entry: list[Any] | None, work: Any, wrap: bool) -> Any:
+    def _frf_track(self, entry: Entry | None, work: Any, wrap: bool) -> Any:
         if entry is None or work is None:
             return work
         try:
@@ -551,7 +487,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         entry = self._frf_record_closing(block, bool(kind))
         return self._frf_track(entry, work, False)
 
-    def _frf_record_closing(self, block: int, is_p2p: bool) -> list[Any] | None:
+    def _frf_record_closing(self, block: int, is_p2p: bool) -> Entry | None:
         st = self._frf_state
         if is_p2p:
             st.p2p_seq += 1
@@ -637,212 +573,3 @@ def _no_future(inner_pg: Any) -> bool:
         return bool(inner_pg.name() == "gloo")
     except Exception:
         return False
-
-
-# ---------------------------------------------------------------- creation
-
-
-def _make_inner(backend: str, device: str, opts: Any, backend_options: Any,
-                prefix_store: Any, timeout: timedelta) -> Any:
-    store = dist.PrefixStore(f"{device}/", prefix_store)
-    ranks = list(opts.global_ranks_in_group)
-    if backend == "gloo":
-        pg = c10d.ProcessGroupGloo(store, opts.group_rank, opts.group_size, timeout=timeout)
-        pg.options.global_ranks_in_group = ranks
-        pg.options.group_name = opts.group_id
-        pg._set_sequence_number_for_group()
-        return pg
-    if backend == "nccl":
-        nccl_opts = backend_options
-        if nccl_opts is None or not isinstance(nccl_opts, c10d.ProcessGroupNCCL.Options):
-            nccl_opts = c10d.ProcessGroupNCCL.Options()
-            nccl_opts.is_high_priority_stream = False
-        nccl_opts._timeout = timeout
-        nccl_opts.global_ranks_in_group = ranks
-        nccl_opts.group_name = opts.group_id
-        with contextlib.suppress(Exception):
-            default = c10d._world.default_pg
-            if default is not None and not hasattr(nccl_opts, "_frf_nosplit"):
-                split_from = c10d._get_split_source(default)
-                if split_from is not None:
-                    nccl_opts.split_from = split_from
-                    nccl_opts.split_color = c10d._process_group_color(ranks)
-        pg = c10d.ProcessGroupNCCL(store, opts.group_rank, opts.group_size, nccl_opts)
-        pg._set_sequence_number_for_group()
-        return pg
-    # Any other backend (a plugin, xccl, ucc): the registered creator or class.
-    plugin = dist.Backend._plugins.get(backend.upper())
-    if plugin is not None:
-        if plugin.extended_api:
-            sub = c10d._DistributedBackendOptions()
-            sub.store = store
-            sub.group_rank = opts.group_rank
-            sub.group_size = opts.group_size
-            sub.timeout = timeout
-            sub.group_id = opts.group_id
-            sub.global_ranks_in_group = ranks
-            return plugin.creator_fn(sub, backend_options)
-        return plugin.creator_fn(store, opts.group_rank, opts.group_size, timeout)
-    raise RuntimeError(f"frforensics cannot wrap backend {backend!r}")
-
-
-def _cuda_available() -> bool:
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
-def _device_map(backend: str) -> dict[str, str]:
-    config = c10d.BackendConfig(backend)
-    return {str(d): str(b) for d, b in config.get_device_backend_map().items()}
-
-
-def make_creator(recorder: Recorder) -> Callable[..., Any]:
-    """The plugin creator: builds the real backends and the recording wrapper."""
-
-    def creator(opts: Any, backend_options: Any = None) -> Any:
-        req: GroupRequest | None = getattr(_request, "value", None)
-        if req is None:  # someone asked for the plugin by name: wrap the device default
-            req = GroupRequest("undefined", backend_options, "", False)
-        timeout = opts.timeout if opts.timeout is not None else c10d.default_pg_timeout
-        prefix_store = getattr(opts.store, "underlying_store", None) or opts.store
-        dmap = _device_map(req.backend)
-        backends: dict[str, Any] = {}
-        by_name: dict[str, Any] = {}
-        for device, name in dmap.items():
-            if name not in by_name:
-                by_name[name] = _make_inner(name, device, opts, backend_options, prefix_store,
-                                            timeout)
-            backends[device] = by_name[name]
-        ranks = tuple(int(r) for r in opts.global_ranks_in_group) or tuple(
-            range(opts.group_size))
-        names = set(dmap.values())
-        default_device = "cuda" if "cuda" in backends and "nccl" in names else next(iter(backends))
-        state = recorder.new_group(
-            name=str(opts.group_id), desc=req.group_desc, ranks=ranks,
-            backend=req.backend, timeout_ms=int(timeout.total_seconds() * 1000),
-        )
-        # A plain "gloo" maps cuda to gloo too: CUDA matters only where it exists.
-        state.cuda = "cuda" in backends and _cuda_available()
-        pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, backends,
-                                   default_device)
-        for device, inner in backends.items():
-            btype = _TYPE_OF.get(dmap[device], _BackendType.CUSTOM)
-            pg._register_backend(torch.device(device), btype, inner)
-        pg._set_default_backend(_TYPE_OF.get(dmap[default_device], _BackendType.CUSTOM))
-        return pg
-
-    return creator
-
-
-# ---------------------------------------------------------------- routing
-
-
-_installed: dict[str, Any] = {}
-
-
-def _routes(recorder: Recorder, backend: Any) -> bool:
-    if not recorder.active or backend is None:
-        return False
-    name = str(backend).lower()
-    if name in ("", "undefined", PLUGIN_NAME, "fake", "mpi", "threaded"):
-        return False
-    try:
-        backends = set(_device_map(name).values())
-    except Exception:
-        return False
-    return bool(backends) and backends <= set(recorder.wrap_backends)
-
-
-def install(recorder: Recorder) -> None:
-    """Register the plugin and route built-in backend names through it (idempotent)."""
-    if PLUGIN_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(PLUGIN_NAME, make_creator_proxy, extended_api=True,
-                                      devices=["cpu", "cuda"])
-    _installed["recorder"] = recorder
-    if "helper" in _installed:
-        return
-    original = c10d._new_process_group_helper
-    signature = inspect.signature(original)
-
-    def _new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
-        rec = _installed.get("recorder")
-        try:
-            bound = signature.bind(*args, **kwargs)
-            backend = bound.arguments.get("backend")
-            route = rec is not None and _routes(rec, backend)
-        except Exception:
-            route = False
-        if not route or rec is None:
-            return original(*args, **kwargs)
-        is_default = c10d._world.default_pg is None
-        req = GroupRequest(
-            backend=str(backend),
-            backend_options=bound.arguments.get("backend_options"),
-            group_desc=str(bound.arguments.get("group_desc") or ""),
-            is_default=is_default,
-        )
-        bound.arguments["backend"] = PLUGIN_NAME
-        previous = getattr(_request, "value", None)
-        _request.value = req
-        try:
-            pg, prefix_store = original(*bound.args, **bound.kwargs)
-        finally:
-            _request.value = previous
-        if isinstance(pg, RecordingProcessGroup):
-            with contextlib.suppress(Exception):
-                c10d._world.pg_map[pg] = (str(backend), c10d._world.pg_map[pg][1])
-                c10d._world.pg_backend_config[pg] = str(c10d.BackendConfig(backend))
-            with contextlib.suppress(Exception):
-                pg._frf_state.name = str(pg.group_name)
-                pg._frf_state.desc = str(pg.group_desc)
-            if is_default:
-                rec.attach_store(bound.arguments.get("store"), pg.rank(), pg.size())
-        return pg, prefix_store
-
-    _new_process_group_helper.__wrapped__ = original  # type: ignore[attr-defined]
-    _installed["helper"] = original
-    c10d._new_process_group_helper = _new_process_group_helper
-
-    original_batch = c10d.batch_isend_irecv
-
-    def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
-        try:
-            group = p2p_op_list[0].group if p2p_op_list else None
-            if group is None and p2p_op_list:
-                group = c10d._get_default_group()
-            device = p2p_op_list[0].tensor.device if p2p_op_list else None
-            batched = isinstance(group, RecordingProcessGroup) and bool(
-                group._frf_inner_for_device(device).supports_coalescing)
-        except Exception:
-            batched = False
-        if not batched:
-            return original_batch(p2p_op_list)
-        # PyTorch batches only `type(group) is ProcessGroup`: keep NCCL p2p batched.
-        c10d._check_p2p_op_list(p2p_op_list)
-        with c10d._coalescing_manager(group, device, async_ops=True) as cm:
-            for p2p_op in p2p_op_list:
-                key = "group_dst" if p2p_op.op is c10d.isend else "group_src"
-                p2p_op.op(p2p_op.tensor, group=p2p_op.group, tag=p2p_op.tag,
-                          **{key: p2p_op.group_peer})
-        return cm.works
-
-    batch_isend_irecv.__wrapped__ = original_batch  # type: ignore[attr-defined]
-    _installed["batch"] = original_batch
-    c10d.batch_isend_irecv = batch_isend_irecv
-    if dist.batch_isend_irecv is original_batch:
-        dist.batch_isend_irecv = batch_isend_irecv
-
-
-def uninstall() -> None:
-    """Stop routing new groups (existing groups keep their wrapper, now recording nothing)."""
-    _installed.pop("recorder", None)
-
-
-def make_creator_proxy(opts: Any, backend_options: Any = None) -> Any:
-    """The creator registered with torch: forwards to the current recorder."""
-    rec = _installed.get("recorder")
-    if rec is None:
-        raise RuntimeError("frforensics backend requested but the recorder is not enabled")
-    return make_creator(rec)(opts, backend_options)

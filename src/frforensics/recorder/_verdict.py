@@ -49,8 +49,9 @@ from frforensics.model import DumpReason, RankTrace
 
 if TYPE_CHECKING:
     from frforensics.recorder._core import Recorder
+    from frforensics.recorder._dump import DumpWriter, DumpWritten
 
-__all__ = ["EXIT_NO_VERDICT", "EXIT_VERDICT", "SCHEMA", "VerdictAgent", "VerdictConfig"]
+__all__ = ["EXIT_NO_VERDICT", "EXIT_VERDICT", "SCHEMA", "VerdictAgent"]
 
 log = logging.getLogger("frforensics.recorder")
 
@@ -66,22 +67,6 @@ _CHUNK = 256  # keys per multi_get
 
 
 VerdictHook = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True)
-class VerdictConfig:
-    """Settings of the verdict (``enable()`` arguments of the same names)."""
-
-    enabled: bool = True
-    #: ``auto``: use peers' files when visible, digests otherwise; ``dir``: the
-    #: dump directory is shared (no digests published); ``store``: digests only
-    source: str = "auto"
-    verdict_timeout_s: float = 60.0
-    hook_timeout_s: float = 30.0
-    on_verdict: VerdictHook | None = None
-    on_verdict_command: str | None = None
-    abort_after_verdict: bool = False
-    listeners: list[VerdictHook] = field(default_factory=list)
 
 
 @dataclass
@@ -101,10 +86,14 @@ def _text(value: Any) -> str:
 class VerdictAgent(threading.Thread):
     """One daemon thread per process; handed every dump by ``Recorder.dump``."""
 
-    def __init__(self, rec: Recorder, config: VerdictConfig) -> None:
+    def __init__(self, rec: Recorder, writer: DumpWriter, *,
+                 listeners: list[VerdictHook] | None = None) -> None:
         super().__init__(name="frforensics-verdict", daemon=True)
         self.rec = rec
-        self.config = config
+        self.writer = writer
+        self.config = rec.config
+        #: called on this rank with every verdict it learns (shared with the API)
+        self.listeners: list[VerdictHook] = listeners if listeners is not None else []
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.incident = 0
         self.incidents: dict[int, _Incident] = {}
@@ -117,9 +106,13 @@ class VerdictAgent(threading.Thread):
 
     # ------------------------------------------------------------ called by the job
 
+    def on_dump_written(self, written: DumpWritten) -> None:
+        """A post-dump hook of the writer: hand over to this thread, never block."""
+        self.on_dumped(written.reason, written.trace, written.path)
+
     def on_dumped(self, reason: DumpReason, trace: RankTrace, path: Path) -> None:
-        """From ``Recorder.dump`` (dump lock held): hand over, never block."""
-        if not self.config.enabled:
+        """Queue one written dump for this thread."""
+        if not self.config.verdict:
             return
         if reason is DumpReason.API and self.requested:
             self.requested = False
@@ -131,12 +124,36 @@ class VerdictAgent(threading.Thread):
     def after_exception(self, message: str, peer_loss: bool) -> None:
         """From the excepthook, after the exception dump: for a lost peer, raise the
         flag and stay (bounded) until this rank's part of the verdict is done."""
-        if not self.config.enabled or not peer_loss:
+        if not self.config.verdict or not peer_loss:
             return
         k = self.incident
         self.events.put(("incident", (k, f"lost a peer: {message[:200]}")))
         limit = self._wait_limit() + 4 * self.rec.config.store_poll_interval_s + 10.0
         self._incident(k).done.wait(limit)
+
+    def request(self, detail: str) -> bool:
+        """``request_verdict()``: dump now and raise the flag (False if already up)."""
+        rec = self.rec
+        if not self.config.verdict or rec.store is None or rec.flag_raised:
+            return False
+        try:
+            self.requested = True
+            path = self.writer.dump(DumpReason.API, f"verdict requested: {detail}"[:500],
+                                    native=False)
+            if path is None:
+                return False
+            return rec.raise_flag(self._flag_payload(f"verdict requested: {detail}"))
+        except Exception as exc:
+            rec.note_error("request_verdict", exc)
+            return False
+
+    def stop(self) -> None:
+        """End the thread (``disable()``)."""
+        self.events.put(("stop", None))
+
+    def _flag_payload(self, detail: str) -> dict[str, Any]:
+        return {"rank": self.rec.current_rank(), "pg": "", "desc": "", "op": "", "seq": -1,
+                "seq_kind": "", "age_s": 0.0, "time_ns": time.time_ns(), "detail": detail[:500]}
 
     def wait(self, timeout_s: float, incident: int | None = None) -> dict[str, Any] | None:
         """Block until this rank knows the verdict of ``incident`` (default: current)."""
@@ -170,8 +187,9 @@ class VerdictAgent(threading.Thread):
             return inc
 
     def _store(self) -> Any:
-        rec = self.rec
-        return None if rec.store is None else rec.store
+        # Shared with the watchdog (the TCPStore client serializes calls); only
+        # non-blocking calls are made on it: get only after check or on keys known set.
+        return self.rec.store
 
     def _key(self, k: int, *parts: object) -> str:
         return "/".join(["verdict", str(k), *(str(p) for p in parts)])
@@ -198,7 +216,7 @@ class VerdictAgent(threading.Thread):
             record = {"rank": me, "host": trace.host, "pid": trace.pid, "path": str(path),
                       "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                       "reason": trace.dump_reason.value, "digest": False}
-            if self.config.source != "dir":
+            if self.config.verdict_source != "dir":
                 from frforensics.recorder._tail import tail_bytes
 
                 store.set(self._key(inc.k, "digest", me), tail_bytes(trace))
@@ -220,9 +238,7 @@ class VerdictAgent(threading.Thread):
         if rec.flag_raised or rec.store is None:
             return
         with contextlib.suppress(Exception):
-            rec.raise_flag({"rank": rec.current_rank(), "pg": "", "desc": "", "op": "",
-                            "seq": -1, "seq_kind": "", "age_s": 0.0, "time_ns": time.time_ns(),
-                            "detail": detail})
+            rec.raise_flag(self._flag_payload(detail))
 
     def _wait_limit(self) -> float:
         return 2 * self.rec.config.store_poll_interval_s + self.config.verdict_timeout_s + 5.0
@@ -361,7 +377,7 @@ class VerdictAgent(threading.Thread):
         for r, record in sorted(records.items()):
             path = dump_dir / f"frdump_rank_{r}"
             visible = False
-            if self.config.source != "store":
+            if self.config.verdict_source != "store":
                 with contextlib.suppress(OSError):
                     st = path.stat()
                     visible = (st.st_size, st.st_mtime_ns) == (record.get("size"),
@@ -383,7 +399,7 @@ class VerdictAgent(threading.Thread):
                 target = work / f"frdump_rank_{r}"
                 target.write_bytes(data)
                 digests[r] = str(target)
-        if self.config.source != "store":
+        if self.config.verdict_source != "store":
             # Ranks that dumped but never announced (died before the store knew):
             # their files, when written by this run.
             floor = self.started_wall_ns - 120 * 10**9
@@ -480,7 +496,7 @@ class VerdictAgent(threading.Thread):
                             verdict.get("elected_rank"), verdict.get("host"),
                             verdict.get("headline"), culprits, acts, verdict.get("verdict_json"),
                             self.rec.namespace, inc.k)
-        for fn in list(self.config.listeners):
+        for fn in list(self.listeners):
             self._bounded("verdict listener", lambda fn=fn: fn(dict(verdict)))  # type: ignore[misc]
         inc.done.set()
         if self.config.abort_after_verdict:

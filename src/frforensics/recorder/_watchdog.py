@@ -17,18 +17,18 @@ import select
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from frforensics.model import DumpReason
 from frforensics.recorder import _ring as R
-
-if TYPE_CHECKING:
-    from frforensics.recorder._core import Recorder
+from frforensics.recorder._core import Entry, Recorder, Tracked, WorkLike
+from frforensics.recorder._dump import DumpWriter
 
 _STORE_RETRY_S = 10.0
 
 
-def work_failed(work: Any) -> bool:
+def work_failed(work: WorkLike) -> bool:
     """True when a finished ``work`` ended with an error.
 
     ``Work.exception()``/``is_success()`` are deprecated; a work's future raises
@@ -48,7 +48,7 @@ def work_failed(work: Any) -> bool:
     return False
 
 
-def _settle(item: tuple[list[Any], Any], now: int) -> bool:
+def _settle(item: Tracked, now: int) -> bool:
     """Poll one op: start event, completion, failure. True once it is finished."""
     entry, work = item
     event = entry[R.START_EVENT]
@@ -71,23 +71,56 @@ def _settle(item: tuple[list[Any], Any], now: int) -> bool:
     return True
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def _die_of(signum: int) -> None:
+    """End the process with ``signum``'s default action, from any thread.
+
+    ``signal.signal`` may only be called from the main thread, which may be
+    blocked in a collective; libc's ``signal()`` may be called from any thread
+    (the disposition is process-wide), after which the signal is re-sent.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.signal(signum, None)  # SIG_DFL is the null handler
+        os.kill(os.getpid(), signum)
+    except Exception:
+        os._exit(128 + signum)
+
+
 class Watchdog(threading.Thread):
     """One per process; a daemon thread that never raises."""
 
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: Recorder, writer: DumpWriter) -> None:
         super().__init__(name="frforensics-watchdog", daemon=True)
         self.rec = rec
+        self.writer = writer
+        # Set by the installation layer (_c10d): True once the job destroyed its
+        # default group.
+        self.is_torn_down: Callable[[], bool] = lambda: False
         self.stop_event = threading.Event()
         self.rfd, self.wfd = os.pipe()
         os.set_blocking(self.rfd, False)
         os.set_blocking(self.wfd, False)
-        self.tracked: list[tuple[list[Any], Any]] = []
+        self.tracked: list[Tracked] = []
         self.poll_lock = threading.RLock()
         self.fired = False
         self.answered = False
         self.store_failures = 0
         self.store_retry_at = 0.0
         self.signals: set[int] = set()
+        self.previous_handlers: dict[int, Any] = {}
+        self.teardown_lock = threading.Lock()
+        self.teardown_seen: set[int] = set()
         self.wakeup_installed = False
         self.previous_wakeup_fd = -1
 
@@ -101,9 +134,18 @@ class Watchdog(threading.Thread):
         self.stop_event.set()
         self.wake()
 
-    def install_signals(self, signals: tuple[int, ...]) -> None:
-        """From the main thread: route ``signals`` to the watchdog at C level."""
-        if threading.current_thread() is not threading.main_thread() or not signals:
+    def install_signals(self, signals: tuple[int, ...],
+                        teardown: tuple[int, ...] = ()) -> None:
+        """From the main thread: route ``signals`` and ``teardown`` to the watchdog at C level.
+
+        ``signals`` only dump (a Python handler is installed where there was none,
+        so ``SIGUSR1`` no longer kills). ``teardown`` signals dump and then go on
+        to the handler that was there before, or to the default action: the
+        process ends as it would have (:meth:`_teardown`).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if not signals and not teardown:
             return
         for sig in signals:
             try:
@@ -112,25 +154,41 @@ class Watchdog(threading.Thread):
                 self.signals.add(int(sig))
             except (OSError, ValueError, RuntimeError) as exc:
                 self.rec.note_error(f"signal {sig}", exc)
+        for sig in teardown:
+            if sig in self.signals:
+                continue
+            try:
+                previous = signal.getsignal(sig)
+                if previous is None or previous is signal.SIG_IGN:
+                    continue  # set outside Python, or ignored: leave it alone
+                signal.signal(sig, self._teardown_handler)
+                self.previous_handlers[int(sig)] = previous
+            except (OSError, ValueError, RuntimeError) as exc:
+                self.rec.note_error(f"signal {sig}", exc)
         try:
-            previous = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+            previous_fd = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
         except (ValueError, OSError) as exc:
             self.rec.note_error("set_wakeup_fd", exc)
             return
-        if previous not in (-1, self.wfd):
+        if previous_fd not in (-1, self.wfd):
             # Someone (asyncio, ...) owns the wakeup fd: give it back; our Python
-            # handler still dumps, but only once the main thread runs Python again.
+            # handlers still dump, but only once the main thread runs Python again.
             with contextlib.suppress(Exception):
-                signal.set_wakeup_fd(previous)
+                signal.set_wakeup_fd(previous_fd)
             self.rec.note_error("set_wakeup_fd", RuntimeError("wakeup fd already in use"))
             return
         self.wakeup_installed = True
 
     def uninstall_signals(self) -> None:
-        if not self.wakeup_installed:
+        if threading.current_thread() is not threading.main_thread():
             return
-        with contextlib.suppress(Exception):
-            if threading.current_thread() is threading.main_thread():
+        for sig, previous in list(self.previous_handlers.items()):
+            with contextlib.suppress(Exception):
+                if signal.getsignal(sig) == self._teardown_handler:
+                    signal.signal(sig, previous)
+            self.previous_handlers.pop(sig, None)
+        if self.wakeup_installed:
+            with contextlib.suppress(Exception):
                 signal.set_wakeup_fd(-1)
                 self.wakeup_installed = False
 
@@ -138,7 +196,46 @@ class Watchdog(threading.Thread):
         # Runs in the main thread, late. The watchdog already dumped from the
         # wakeup fd when it could; dump here only when it could not.
         if not self.wakeup_installed or not self.is_alive():
-            self.rec.dump(DumpReason.SIGNAL, f"signal {signum}")
+            self.writer.dump(DumpReason.SIGNAL, f"signal {signum}")
+
+    def _teardown_handler(self, signum: int, frame: Any) -> None:
+        """Main thread: dump (unless the watchdog did), then the previous handler."""
+        self._teardown_dump(signum)
+        previous = self.previous_handlers.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+
+    def _teardown(self, signum: int) -> None:
+        """Watchdog thread, the moment the signal arrives (the main thread may be
+        blocked in a collective and run no Python handler until it returns).
+
+        Dumps; when the previous disposition was the default action, the process
+        dies of the same signal now, as it would have without the recorder. A
+        Python handler that was there before runs on the main thread, as before.
+        """
+        self._teardown_dump(signum)
+        if self.previous_handlers.get(signum, signal.SIG_DFL) is signal.SIG_DFL:
+            _die_of(signum)
+
+    def _teardown_dump(self, signum: int) -> None:
+        # Both the watchdog (wakeup fd) and the main thread's handler see the
+        # signal: the first dumps, the second waits for that dump before going on
+        # to the previous handler (bounded, should the main thread itself be
+        # inside a dump the watchdog waits on).
+        if not self.teardown_lock.acquire(timeout=5.0):
+            return
+        try:
+            if signum in self.teardown_seen:
+                return
+            self.teardown_seen.add(signum)
+            if self.rec.hang_dump_written:
+                return  # the hang's dump is the evidence; the teardown adds nothing to it
+            self.writer.dump(DumpReason.SIGNAL, f"received {_signal_name(signum)} (teardown)")
+        finally:
+            self.teardown_lock.release()
 
     # ------------------------------------------------------------ loop
 
@@ -167,9 +264,10 @@ class Watchdog(threading.Thread):
         except (BlockingIOError, OSError):
             return
         for byte in data:
-            if byte and byte in self.signals:
-                name = signal.Signals(byte).name if byte in signal.Signals._value2member_map_ else str(byte)
-                self.rec.dump(DumpReason.SIGNAL, f"received {name}")
+            if byte and byte in self.previous_handlers:
+                self._teardown(byte)
+            elif byte and byte in self.signals:
+                self.writer.dump(DumpReason.SIGNAL, f"received {_signal_name(byte)}")
 
     def poll_works(self) -> None:
         """Stamp completions and start events; fire on the oldest overdue op.
@@ -185,17 +283,23 @@ class Watchdog(threading.Thread):
             self.fired = True
             self.on_overdue(overdue, time.monotonic_ns())
 
-    def _poll_locked(self) -> list[Any] | None:
+    def _poll_locked(self) -> Entry | None:
         rec = self.rec
         pending = rec.pending
         tracked = self.tracked
         while pending:
-            tracked.append(pending.popleft())
+            item = pending.popleft()
+            if item[0][R.STATE] == R.COMPLETED:
+                # Stamped on the next-op path, which does not read results.
+                if work_failed(item[1]):
+                    item[0][R.STATE] = R.FAILED
+                continue
+            tracked.append(item)
         now = time.monotonic_ns()
         deadline_ns = int(rec.config.timeout_s * 1e9)
-        oldest: list[Any] | None = None
+        oldest: Entry | None = None
         if tracked:
-            still: list[tuple[list[Any], Any]] = []
+            still: list[Tracked] = []
             for item in tracked:
                 if item[0][R.STATE] >= R.COMPLETED or _settle(item, now):
                     continue
@@ -246,7 +350,7 @@ class Watchdog(threading.Thread):
             for st in list(self.rec.groups):
                 st.last = None
 
-    def on_overdue(self, entry: list[Any], now: int) -> None:
+    def on_overdue(self, entry: Entry, now: int) -> None:
         rec = self.rec
         group = rec.groups[entry[R.GROUP]] if 0 <= entry[R.GROUP] < len(rec.groups) else None
         age = (now - entry[R.T_ENQUEUE]) / 1e9
@@ -257,7 +361,7 @@ class Watchdog(threading.Thread):
         detail = (f"{entry[R.OP]} {seq_kind} seq {seq} on pg {gname} ({gdesc}) unfinished "
                   f"after {age:.1f} s (deadline {rec.config.timeout_s:g} s)")
         # Our dump first (milliseconds), then the flag, then PyTorch's (slower).
-        rec.dump(DumpReason.WATCHDOG_TIMEOUT, detail, automatic=True, native=False)
+        self.writer.dump(DumpReason.WATCHDOG_TIMEOUT, detail, automatic=True, native=False)
         payload = {
             "rank": rec.current_rank(), "pg": gname, "desc": gdesc, "op": entry[R.OP],
             "seq": seq, "seq_kind": seq_kind, "age_s": round(age, 3), "time_ns": time.time_ns(),
@@ -269,7 +373,7 @@ class Watchdog(threading.Thread):
             except Exception as exc:
                 self._store_failed(exc)
         if rec.config.save_native:
-            rec.save_native()
+            self.writer.save_native()
 
     def poll_store(self) -> None:
         if not self._store_usable() or self.torn_down():
@@ -287,7 +391,6 @@ class Watchdog(threading.Thread):
 
     def answer_flag(self, payload: str) -> None:
         self.answered = True
-        rec = self.rec
         try:
             info = json.loads(payload)
             detail = (f"rank {info.get('rank')} saw {info.get('op')} {info.get('seq_kind')} seq "
@@ -295,14 +398,36 @@ class Watchdog(threading.Thread):
                       f"after {info.get('age_s')} s")
         except (ValueError, AttributeError):
             detail = f"peer raised the dump flag: {payload[:200]}"
-        rec.dump(DumpReason.PEER_SIGNAL, detail, automatic=True)
+        self.writer.dump(DumpReason.PEER_SIGNAL, detail, automatic=True)
+
+    def check_flag_at_exit(self) -> None:
+        """At exit: settle, and answer a peer's flag once more (PyTorch's ranks do not)."""
+        with contextlib.suppress(Exception):
+            self.poll_works()
+            rec = self.rec
+            if (not self.answered and not rec.flag_raised and self._store_usable()
+                    and not self.torn_down()):
+                payload = rec.poll_flag()
+                if payload is not None:
+                    self.answer_flag(payload)
+
+    def shutdown(self, join_timeout_s: float) -> None:
+        """Stop the thread and drop every backend Work it holds (never raises).
+
+        Works must not outlive the interpreter's orderly shutdown: a daemon thread
+        frozen at exit while holding gloo works ends the process with SIGABRT
+        ("terminate called without an active exception").
+        """
+        with contextlib.suppress(Exception):
+            self.stop()
+            if self is not threading.current_thread() and self.is_alive():
+                self.join(timeout=join_timeout_s)
+            self.drop_works()
 
     def torn_down(self) -> bool:
         """True once the default group was destroyed (healthy teardown: stop using the store)."""
         try:
-            from torch.distributed import distributed_c10d as c10d
-
-            return c10d._world.default_pg is None
+            return bool(self.is_torn_down())
         except Exception:
             return False
 
