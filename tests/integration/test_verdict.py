@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +113,173 @@ def test_skipped_collective_gives_one_verdict_in_the_job_log(run_torchrun, nproc
     _wait_for(lambda: (root / "hook_calls").exists(), 10, "the hook", job.logs)
     time.sleep(1.0)
     assert (root / "hook_calls").read_text().splitlines() == [str(job.dump_dir / "verdict.json")]
+
+
+# Plain processes (one per rank, rank 0 hosts the TCPStore): the recorder is enabled
+# in the script itself, with a listener that saves the verdict each rank learns.
+PRELUDE = """
+import json, signal
+import frforensics.recorder as recorder
+
+ROOT = os.path.dirname(DUMP_DIR)
+MY_DIR = os.path.join(DUMP_DIR, f"rank{rank}") if os.environ.get("FRT_PER_RANK") else DUMP_DIR
+
+def save(verdict):
+    with open(os.path.join(ROOT, f"learned_{rank}.json"), "w") as fh:
+        json.dump(verdict, fh)
+
+recorder.add_verdict_listener(save)
+recorder.enable(MY_DIR, timeout_s=float(os.environ["FRT_DEADLINE_S"]),
+                store_poll_interval_s=float(os.environ["FRT_STORE_POLL_S"]),
+                verdict_source=os.environ.get("FRT_SOURCE", "auto"))
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+t = torch.ones(8)
+"""
+
+PLAIN = {"FRT_ENABLE": "0", "FRT_INIT": "0"}
+
+
+def _learned(job: Any, rank: int) -> dict[str, Any] | None:
+    path = job.dump_dir.parent / f"learned_{rank}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _wait_learned(job: Any, ranks: list[int], timeout_s: float) -> dict[int, dict[str, Any]]:
+    _wait_for(lambda: all(_learned(job, r) is not None for r in ranks), timeout_s,
+              f"ranks {ranks} to learn the verdict", job.logs)
+    return {r: _learned(job, r) for r in ranks}  # type: ignore[misc]
+
+
+@pytest.mark.timeout(240)
+def test_per_rank_dump_dirs_give_a_verdict_from_store_digests_only(run_job):
+    body = PRELUDE + """
+for step in range(1, 6):
+    if rank == 1 and step == 3:
+        continue
+    dist.all_reduce(t)
+time.sleep(100)
+"""
+    job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env={**PLAIN, "FRT_PER_RANK": "1"})
+    learned = _wait_learned(job, [0, 1, 2, 3], STARTUP_S + DEADLINE_S + 10)
+    verdict = learned[0]
+    assert all(v == verdict for v in learned.values()), learned
+    assert verdict["elected_rank"] == 0
+    # every peer's dump lies in a directory the elected rank does not read
+    assert verdict["inputs"] == {"files": [0], "digests": [1, 2, 3], "none": []}, verdict
+    assert verdict["culprit_ranks"] == [1]
+    assert verdict["actions"][0]["action"] == "fix_code"
+    report = json.loads((job.dump_dir / "rank0" / "verdict.json").read_text())
+    assert report["culprit_ranks"] == verdict["culprit_ranks"]
+    assert [a["rank"] for a in report["actions"]] == [1]
+    assert report["ranks_loaded"] == [0, 1, 2, 3]
+    assert not (job.dump_dir / "rank1" / "verdict.json").exists()
+
+
+@pytest.mark.timeout(240)
+def test_store_only_source_reads_no_peer_file(run_job):
+    body = PRELUDE + """
+for step in range(1, 6):
+    if rank == 2 and step == 3:
+        continue
+    dist.all_reduce(t)
+time.sleep(100)
+"""
+    job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env={**PLAIN, "FRT_SOURCE": "store"})
+    learned = _wait_learned(job, [0, 1, 2, 3], STARTUP_S + DEADLINE_S + 10)
+    assert learned[0]["inputs"] == {"files": [], "digests": [0, 1, 2, 3], "none": []}
+    assert learned[0]["culprit_ranks"] == [2]
+
+
+@pytest.mark.timeout(240)
+def test_sigkilled_rank_is_named_dead_and_to_be_replaced(run_job):
+    body = PRELUDE + """
+for step in range(1, 4):
+    dist.all_reduce(t)
+if rank == 3:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.all_reduce(t)
+time.sleep(100)
+"""
+    job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env=PLAIN)
+    learned = _wait_learned(job, [0], STARTUP_S + 30)
+    verdict = learned[0]
+    assert verdict["culprit_ranks"][:1] == [3], verdict
+    act = verdict["actions"][0]
+    assert (act["rank"], act["action"], act["because"]) == (3, "replace_gpu_or_host", "dead_rank")
+    log0 = (job.log_dir / "rank0.log").read_text()
+    assert "frforensics: verdict (incident 0, elected rank 0" in log0, log0[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_op_mismatch_verdict_says_fix_code_and_names_both_code_lines(run_job):
+    body = PRELUDE + """
+for step in range(1, 4):
+    dist.all_reduce(t)
+if rank == 1:
+    out = [torch.zeros(8) for _ in range(world_size)]
+    dist.all_gather(out, t)      # MISMATCH-GATHER
+else:
+    dist.all_reduce(t)           # MISMATCH-REDUCE
+time.sleep(100)
+"""
+    job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env=PLAIN)
+    verdict = _wait_learned(job, [0, 1, 2, 3], STARTUP_S + DEADLINE_S + 10)[0]
+    assert verdict["status"] == "desync", verdict
+    assert verdict["culprit_ranks"] == [1]
+    act = verdict["actions"][0]
+    assert (act["rank"], act["action"], act["because"]) == (1, "fix_code", "op_mismatch")
+    script = (job.dump_dir.parent / "worker.py").read_text().splitlines()
+    gather = next(i for i, line in enumerate(script, 1) if "MISMATCH-GATHER" in line)
+    reduce_ = next(i for i, line in enumerate(script, 1) if "MISMATCH-REDUCE" in line)
+    assert f"worker.py:{gather}" in verdict["text"] and f"worker.py:{reduce_}" in verdict["text"]
+    assert f"worker.py:{gather}" in act["detail"] and f"worker.py:{reduce_}" in act["detail"]
+
+
+@pytest.mark.timeout(240)
+def test_when_the_store_host_dies_the_others_dump_locally_and_say_why_no_verdict(run_job):
+    body = PRELUDE + """
+for step in range(1, 4):
+    dist.all_reduce(t)
+if rank == 0:
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)   # rank 0's process hosts the TCPStore
+dist.all_reduce(t)
+time.sleep(100)
+"""
+    job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env=PLAIN)
+
+    def said_why() -> bool:
+        return all("frforensics: no verdict for this hang: " in
+                   (job.log_dir / f"rank{r}.log").read_text(errors="replace") for r in (1, 2, 3))
+
+    _wait_for(said_why, STARTUP_S + 40, "ranks 1-3 to say why there is no verdict", job.logs)
+    for r in (1, 2, 3):
+        assert job.dump_path(r).exists()
+        log = (job.log_dir / f"rank{r}.log").read_text(errors="replace")
+        assert "c10d store is unreachable" in log, log[-2000:]
+    assert not (job.dump_dir / "verdict.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_abort_after_verdict_exits_every_rank_with_the_documented_code(run_torchrun):
+    import sys
+
+    from frforensics.recorder import EXIT_VERDICT
+
+    job = run_torchrun(SKIP_SCRIPT, nproc=4, name="abort",
+                       env={"FRT_BAD": "1", "FRFORENSICS_ABORT_AFTER_VERDICT": "1",
+                            **_verdict_env(sys.executable)})
+    codes = job.wait(STARTUP_S + DEADLINE_S + 30)
+    log = (job.log_dir / "torchrun.log").read_text(errors="replace")
+    assert codes[0] is not None and codes[0] != 0, log[-3000:]
+    # torchrun's error summary lists each failed worker with its exit code
+    summary = dict(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)",
+                              log))
+    assert summary == {str(r): str(EXIT_VERDICT) for r in range(4)}, log[-3000:]
+    assert log.count("exiting with code 75 (abort_after_verdict)") == 4, log[-3000:]

@@ -259,19 +259,36 @@ class VerdictAgent(threading.Thread):
         poll = self.rec.config.store_poll_interval_s
         try:
             leader = self._vote(store, k, me)
-            window_end = inc.published_at + 2 * poll
-            while time.monotonic() < window_end:
-                if int(store.add(self._key(k, "n"), 0)) >= world:
-                    break
-                time.sleep(min(0.05, poll / 4))
+            window_end = self._await_dumps(store, k, world, inc.published_at)
             leader = int(_text(store.get(self._key(k, "leader"))))
             if leader == me and self._take_ownership(store, k, me):
                 self._lead(inc, store, world)
                 return
-            self._follow(inc, store, me, world, window_end + 3 * poll)
+            # past any rank's own wait (hard_end), so a slow leader is not overtaken
+            self._follow(inc, store, me, world, window_end + 4 * poll + 3.0)
         except Exception as exc:
             self._no_verdict(inc, f"the c10d store failed during the verdict "
                                   f"({type(exc).__name__}: {exc})", None)
+
+    def _await_dumps(self, store: Any, k: int, world: int, since: float) -> float:
+        """Wait until every rank announced its dump, or two store polls passed and
+        every rank with a fresh heartbeat did (a dead rank never will); bounded
+        by two more polls + 2 s for live ranks slow to dump. Returns when it ended."""
+        poll = self.rec.config.store_poll_interval_s
+        window_end = since + 2 * poll
+        hard_end = window_end + 2 * poll + 2.0
+        expected: int | None = None
+        while True:
+            now = time.monotonic()
+            n = int(store.add(self._key(k, "n"), 0))
+            if n >= world or now >= hard_end:
+                return now
+            if now >= window_end:
+                if expected is None:
+                    expected = world - len(self.rec.stale_peers())
+                if n >= expected:
+                    return now
+            time.sleep(min(0.05, poll / 4))
 
     def _vote(self, store: Any, k: int, me: int) -> int:
         """Make ``leader`` the lowest rank that voted (compare-and-set loop)."""
@@ -500,7 +517,33 @@ class VerdictAgent(threading.Thread):
             self._bounded("verdict listener", lambda fn=fn: fn(dict(verdict)))  # type: ignore[misc]
         inc.done.set()
         if self.config.abort_after_verdict:
+            # Every rank exits at the same wall-clock time, so a launcher that tears
+            # the job down when its first worker exits (torchrun) still sees the
+            # documented code from every rank.
+            self._sleep_until_abort_time(inc.k, elected)
             self._abort(EXIT_VERDICT)
+
+    def _sleep_until_abort_time(self, k: int, elected: bool) -> None:
+        """The elected rank, its hooks done, sets ``verdict/<k>/abort_at`` (wall ns, two
+        store polls ahead: every rank reads it by then); the others wait for it
+        (bounded by the hooks' time limit) and every rank exits at that instant."""
+        poll = self.rec.config.store_poll_interval_s
+        store = self._store()
+        key = self._key(k, "abort_at")
+        at: int | None = None
+        with contextlib.suppress(Exception):
+            if elected:
+                at = time.time_ns() + int((2 * poll + 0.3) * 1e9)
+                store.set(key, str(at))
+            else:
+                until = time.monotonic() + self.config.hook_timeout_s + 2 * poll + 5.0
+                while at is None and time.monotonic() < until:
+                    if store.check([key]):
+                        at = int(_text(store.get(key)))
+                    else:
+                        time.sleep(min(poll, 0.2))
+        if at is not None:
+            time.sleep(max(0.0, min((at - time.time_ns()) / 1e9, 4 * poll + 5.0)))
 
     def _no_verdict(self, inc: _Incident, why: str, path: Path | None) -> None:
         where = f"; this rank's dump is at {path}" if path is not None else (
