@@ -283,3 +283,45 @@ def test_abort_after_verdict_exits_every_rank_with_the_documented_code(run_torch
                               log))
     assert summary == {str(r): str(EXIT_VERDICT) for r in range(4)}, log[-3000:]
     assert log.count("exiting with code 75 (abort_after_verdict)") == 4, log[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_rearm_opens_a_second_incident_with_its_own_verdict(run_job):
+    body = PRELUDE + """
+def save_k(verdict):
+    with open(os.path.join(ROOT, f"learned_{rank}_{verdict['incident']}.json"), "w") as fh:
+        json.dump(verdict, fh)
+
+recorder.add_verdict_listener(save_k)
+for step in range(1, 5):
+    if rank == 2 and step == 3:
+        continue                      # incident 0: rank 2 skips one
+    dist.all_reduce(t)
+if rank == 2:
+    assert recorder.wait_verdict(60) is not None
+    dist.all_reduce(t)                # ... and catches up once the verdict is out
+assert recorder.wait_verdict(60, incident=0)["culprit_ranks"] == [2]
+assert recorder.rearm() == 1
+dist.all_reduce(t)                    # everyone re-armed and in step again
+for step in range(1, 4):
+    if rank == 1 and step == 2:
+        continue                      # incident 1: rank 1 skips one
+    dist.all_reduce(t)
+time.sleep(100)
+"""
+    job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=250, env=PLAIN)
+    root = job.dump_dir.parent
+
+    def learned(k: int) -> bool:
+        return all((root / f"learned_{r}_{k}.json").exists() for r in range(4))
+
+    _wait_for(lambda: learned(1), STARTUP_S + 60, "both incidents' verdicts", job.logs)
+    first = json.loads((root / "learned_0_0.json").read_text())
+    second = json.loads((root / "learned_3_1.json").read_text())
+    assert (first["incident"], first["culprit_ranks"]) == (0, [2])
+    # the rings still hold incident 0 (rank 2 entered #4 late): the new culprit leads
+    assert (second["incident"], second["culprit_ranks"][0]) == (1, 1), second
+    assert second["actions"][0]["rank"] == 1 and second["actions"][0]["because"] == "missing_rank"
+    log0 = (job.log_dir / "rank0.log").read_text()
+    assert "frforensics: verdict (incident 1" in log0, log0[-3000:]

@@ -49,6 +49,7 @@ __all__ = [
     "enable",
     "is_enabled",
     "last_verdict",
+    "rearm",
     "request_verdict",
     "session",
     "wait_verdict",
@@ -307,6 +308,21 @@ def request_verdict(detail: str = "") -> bool:
     if sess is None or sess.verdict is None:
         return False
     return sess.verdict.request(detail)
+
+
+def rearm(*, rank: int | None = None, world_size: int | None = None) -> int:
+    """After recovering from an incident, open the next one and return its number.
+
+    The flag key becomes ``dump_flag/<k>`` and the watchdog fires again on the
+    next overdue op; pass the new ``rank``/``world_size`` when they changed.
+    Call it once the hung ops have ended (aborted or failed): an op still
+    unfinished past the deadline fires the new incident at once. Returns -1
+    when the recorder is off.
+    """
+    sess = _session
+    if sess is None or sess.verdict is None:
+        return -1
+    return sess.verdict.rearm(sess.watchdog, rank, world_size)
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,

@@ -147,6 +147,26 @@ class VerdictAgent(threading.Thread):
             rec.note_error("request_verdict", exc)
             return False
 
+    def rearm(self, watchdog: Any, rank: int | None, world_size: int | None) -> int:
+        """Open the next incident: a new flag key, the watchdog armed again."""
+        rec = self.rec
+        with self.lock:
+            self.incident += 1
+            k = self.incident
+        if rank is not None:
+            rec.rank = int(rank)
+        if world_size is not None:
+            rec.world_size = int(world_size)
+        rec.flag_key = f"dump_flag/{k}"
+        rec.flag_seen = None
+        rec.flag_raised = False
+        rec.hang_dump_written = False
+        self.requested = False
+        if watchdog is not None:
+            watchdog.fired = False
+            watchdog.answered = False
+        return k
+
     def stop(self) -> None:
         """End the thread (``disable()``)."""
         self.events.put(("stop", None))
@@ -437,9 +457,7 @@ class VerdictAgent(threading.Thread):
         block = text.split("\n\n", 1)[0].strip("\n")
         flag_ns = None
         with contextlib.suppress(Exception):
-            from frforensics.recorder._core import FLAG_KEY
-
-            flag = self._store().get(FLAG_KEY) if rec.store is not None else None
+            flag = self._store().get(rec.flag_key) if rec.store is not None else None
             flag_ns = int(json.loads(_text(flag)).get("time_ns")) if flag is not None else None
         now = time.time_ns()
         from frforensics.recorder._core import host_name
