@@ -103,6 +103,8 @@ class VerdictAgent(threading.Thread):
         self.lock = threading.Lock()
         #: ``request_verdict()`` was called: its API dump opens the incident
         self.requested = False
+        #: sizes of the digests the elected rank saw (ranks, total, max bytes)
+        self.digest_bytes: dict[str, int] = {}
 
     # ------------------------------------------------------------ called by the job
 
@@ -239,8 +241,10 @@ class VerdictAgent(threading.Thread):
             if self.config.verdict_source != "dir":
                 from frforensics.recorder._tail import tail_bytes
 
-                store.set(self._key(inc.k, "digest", me), tail_bytes(trace))
+                blob = tail_bytes(trace)
+                store.set(self._key(inc.k, "digest", me), blob)
                 record["digest"] = True
+                record["digest_bytes"] = len(blob)
             store.set(self._key(inc.k, "dumped", me), json.dumps(record))
             if not inc.counted:
                 inc.counted = True
@@ -448,6 +452,9 @@ class VerdictAgent(threading.Thread):
                     if path.stat().st_mtime_ns >= floor:
                         files[r] = str(path)
         none = [r for r in range(world) if r not in files and r not in digests]
+        sizes = [int(rec.get("digest_bytes", 0)) for rec in records.values()]
+        self.digest_bytes = {"ranks": len(sizes), "total": sum(sizes),
+                             "max": max(sizes, default=0)}
         paths = [files.get(r) or digests[r] for r in sorted({*files, *digests})]
         return paths, {"files": sorted(files), "digests": sorted(digests), "none": none}
 
@@ -475,6 +482,7 @@ class VerdictAgent(threading.Thread):
             "verdict_json": str(dump_dir / "verdict.json"),
             "verdict_txt": str(dump_dir / "verdict.txt"),
             "inputs": inputs,
+            "digest_bytes": self.digest_bytes,
             "time_ns": now,
             "seconds_after_flag": None if flag_ns is None else round((now - flag_ns) / 1e9, 3),
             "error": error,
