@@ -325,3 +325,61 @@ time.sleep(100)
     assert second["actions"][0]["rank"] == 1 and second["actions"][0]["because"] == "missing_rank"
     log0 = (job.log_dir / "rank0.log").read_text()
     assert "frforensics: verdict (incident 1" in log0, log0[-3000:]
+
+
+STRAGGLE = PRELUDE.replace("verdict_source=", "straggler_interval_s=float(os.environ['FRT_LIVE_S']), "
+                                              "verdict_source=") + """
+print(f"training starts at {time.time():.3f}", flush=True)
+for step in range(int(os.environ["FRT_STEPS"])):
+    # every rank works 10 ms per step; the slow one 50 ms: late at every collective
+    time.sleep(0.05 if rank == int(os.environ["FRT_SLOW"]) else 0.01)
+    dist.all_reduce(t)
+dist.barrier()
+print(f"training ends at {time.time():.3f}", flush=True)
+time.sleep(5)
+"""
+LIVE_S = 3.0
+
+
+def _straggler_lines(job: Any) -> list[str]:
+    out = []
+    for r in range(job.world_size):
+        out += [line for line in (job.log_dir / f"rank{r}.log").read_text(errors="replace")
+                .splitlines() if "frforensics: straggler:" in line]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_live_straggler_is_named_within_two_intervals(run_job):
+    job = run_job(STRAGGLE, world_size=4, deadline_s=30.0, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env={**PLAIN, "FRT_LIVE_S": str(LIVE_S), "FRT_STEPS": "400",
+                                        "FRT_SLOW": "2"})
+    log0 = job.log_dir / "rank0.log"
+    _wait_for(lambda: "training starts" in log0.read_text(errors="replace"), STARTUP_S,
+              "training", job.logs)
+    started = time.monotonic()
+    _wait_for(lambda: bool(_straggler_lines(job)), 2 * LIVE_S + 12, "a straggler line",
+              job.logs)
+    named_after = time.monotonic() - started
+    lines = _straggler_lines(job)
+    assert len(lines) == 1 and "rank 2 arrives last" in lines[0], lines
+    doc = json.loads((job.dump_dir / "stragglers.json").read_text())
+    assert doc["culprit_ranks"] == [2]
+    assert doc["actions"][0]["action"] == "replace_gpu_or_host"
+    # 2 intervals, plus the analysis child's start on this loaded VM
+    assert named_after <= 2 * LIVE_S + 12, named_after
+
+
+@pytest.mark.timeout(240)
+def test_a_healthy_job_never_prints_a_straggler_line(run_job):
+    job = run_job(STRAGGLE, world_size=4, deadline_s=30.0, store_poll_s=STORE_POLL_S,
+                  hard_exit_s=200, env={**PLAIN, "FRT_LIVE_S": str(LIVE_S), "FRT_STEPS": "600",
+                                        "FRT_SLOW": "-1"})
+    log0 = job.log_dir / "rank0.log"
+    _wait_for(lambda: "training ends" in log0.read_text(errors="replace"), STARTUP_S + 40,
+              "the end of training", job.logs)
+    time.sleep(LIVE_S + 1)
+    assert _straggler_lines(job) == [], job.logs()
+    assert not (job.dump_dir / "stragglers.json").exists()
+    # the live analysis did run: its window files exist
+    assert list((job.dump_dir / ".frforensics_verdict" / "live").glob("frdump_rank_*")), job.logs()

@@ -98,3 +98,23 @@ def test_malformed_progressions_are_corrupt_dumps(tmp_path, arith):
     doc["groups"][0]["ranks"] = {"arith": arith}
     with pytest.raises(CorruptDumpError):
         frdump.decode(frdump.MAGIC + msgpack.packb(doc, use_bin_type=True))
+
+
+def test_live_rounds_round_trip_delta_coded():
+    from frforensics.recorder._live import decode_round, encode_round
+
+    groups, seqs = [0, 1, 0, 1, 0], [7, 3, 8, 4, 9]
+    ops = ["all_reduce", "broadcast", "all_reduce", "broadcast", "barrier"]
+    enq = [10**18 + i * 5_000_000 for i in range(5)]
+    comp = [t + 123_456 for t in enq]
+    blob = encode_round(groups, seqs, ops, enq, comp)
+    assert len(blob) < 200
+    got = decode_round(blob)
+    assert got is not None
+    assert got["group"].tolist() == groups and got["seq"].tolist() == seqs
+    assert got["enq"].tolist() == enq and got["comp"].tolist() == comp
+    assert got["op"].tolist() == ops
+    empty = decode_round(encode_round([], [], [], [], []))
+    assert empty is not None and len(empty["seq"]) == 0
+    assert decode_round(b"junk") is None
+    assert decode_round(zlib.compress(b'{"n": 3, "ops": []}\nxx')) is None

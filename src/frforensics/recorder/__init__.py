@@ -37,6 +37,7 @@ from frforensics.recorder._core import Recorder, frames_of_traceback
 
 if TYPE_CHECKING:
     from frforensics.recorder._dump import DumpWriter
+    from frforensics.recorder._live import LiveStragglers
     from frforensics.recorder._verdict import VerdictAgent
     from frforensics.recorder._watchdog import Watchdog
 
@@ -75,6 +76,7 @@ class Session:
     writer: DumpWriter
     watchdog: Watchdog | None = None
     verdict: VerdictAgent | None = None
+    live: LiveStragglers | None = None
 
 
 _lock = threading.Lock()
@@ -169,6 +171,7 @@ def start(config: RecorderConfig) -> Session | None:
     """Turn the recorder on with ``config`` (None when the installed torch fails a probe)."""
     global _session, _hooks_installed, _prev_excepthook
     from frforensics.recorder._dump import DumpWriter
+    from frforensics.recorder._live import LiveStragglers
 
     try:
         from frforensics.recorder import _c10d
@@ -196,6 +199,11 @@ def start(config: RecorderConfig) -> Session | None:
         writer.post_dump_hooks.append(agent.on_dump_written)
         sess.verdict = agent
         agent.start()
+        if config.straggler_interval_s:
+            from frforensics.recorder._live import LiveStragglers
+
+            sess.live = LiveStragglers(rec, agent, config.straggler_interval_s)
+            sess.live.start()
         rec.group_listeners.append(lambda _state: _start_watchdog(sess))
         for missing in probes.degraded:
             rec.unrecorded.append(f"{missing} missing in this torch: batched p2p ops run "
@@ -242,6 +250,8 @@ def _stop(sess: Session) -> None:
     sess.rec.active = False
     if sess.verdict is not None:
         sess.verdict.stop()
+    if sess.live is not None:
+        sess.live.stop()
     with contextlib.suppress(Exception):
         from frforensics.recorder import _c10d
 

@@ -390,7 +390,7 @@ class VerdictAgent(threading.Thread):
                 f"{len(inputs['files'])} dump file(s), {len(inputs['digests'])} store digest(s)):\n"
                 f"{block.rstrip()}\n  Report:   {verdict['verdict_json']}\n")
             sys.stderr.flush()
-        self._run_hooks(verdict)
+        self.run_hooks(verdict, str(verdict["verdict_json"]))
         self._learn(inc, verdict, elected=True)
 
     def _inputs(self, k: int, store: Any, world: int,
@@ -490,14 +490,15 @@ class VerdictAgent(threading.Thread):
 
     # ------------------------------------------------------------ after the verdict
 
-    def _run_hooks(self, verdict: dict[str, Any]) -> None:
+    def run_hooks(self, verdict: dict[str, Any], path: str) -> None:
+        """``on_verdict`` and ``on_verdict_command`` (with ``path`` appended), bounded."""
         hook = self.config.on_verdict
         if hook is not None:
             self._bounded("on_verdict", lambda: hook(dict(verdict)))
         command = self.config.on_verdict_command
         if command:
             def run_command() -> None:
-                argv = [*shlex.split(command), verdict["verdict_json"]]
+                argv = [*shlex.split(command), path]
                 proc = subprocess.run(argv, capture_output=True, check=False,
                                       timeout=self.config.hook_timeout_s, stdin=subprocess.DEVNULL)
                 if proc.returncode != 0:
