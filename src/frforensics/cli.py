@@ -155,21 +155,21 @@ def timeline(
 def verdict(
     paths: Annotated[list[Path] | None, typer.Argument(help="Dump files or directories.")] = None,
     out_dir: Annotated[Path, typer.Option(
-        "--out-dir", help="Folder for verdict.json and verdict.txt.")] = Path("."),
+        "--out-dir", help="Folder for verdict.json, verdict.txt and verdict.html.")] = Path("."),
     paths_from: Annotated[Path | None, typer.Option(
         "--paths-from", help="A file listing dump paths, one per line (for 10,000 ranks).")] = None,
     world_size: Annotated[int | None, typer.Option("--world-size", min=1)] = None,
     hang_after: Annotated[float, typer.Option("--hang-after", min=0.0)] = 1.0,
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", min=1)] = None,
 ) -> None:
-    """Write verdict.json (the JSON report) and verdict.txt, print the text verdict.
+    """Write verdict.json (the JSON report), verdict.txt and verdict.html; print the text.
 
     What the recorder's elected rank runs in a child process at hang time
     (docs/orchestrators.md); usable by hand on any dumps.
     """
     from frforensics.analyzer import AnalyzeOptions, load_dumps
     from frforensics.analyzer import analyze as run_analysis
-    from frforensics.reporting import json_report, text
+    from frforensics.reporting import html, json_report, text
 
     listed = [str(p) for p in paths or []]
     if paths_from is not None:
@@ -185,7 +185,8 @@ def verdict(
                                                         hang_after_s=hang_after))
     human = text.render(report, color=False)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name, body in (("verdict.json", json_report.render(report)), ("verdict.txt", human)):
+    for name, body in (("verdict.json", json_report.render(report)), ("verdict.txt", human),
+                       ("verdict.html", html.render(report))):
         target = out_dir / name
         tmp = target.with_name(f".{name}.tmp")
         tmp.write_text(body, encoding="utf-8")
