@@ -27,6 +27,7 @@ __all__ = [
     "Severity",
     "Status",
     "TimelineOp",
+    "code_sides",
     "format_ranks",
 ]
 
@@ -334,6 +335,25 @@ class Report:
             "actions": [a.to_json() for a in self.actions],
             "notes": list(self.notes),
         }
+
+
+def code_sides(finding: Finding, *, limit: int = 4) -> list[str]:
+    """For a mismatch: ``'ranks 0,2-3: train.py:73 in step (all_reduce)'`` per distinct
+    call site, from ``evidence.locations`` (and ``evidence.values``); [] otherwise."""
+    locations = finding.evidence.get("locations") if finding.evidence else None
+    if not isinstance(locations, dict) or len(set(locations.values())) < 2:
+        return []
+    values = finding.evidence.get("values")
+    sides: dict[tuple[str, str], list[int]] = {}
+    for rank, where in locations.items():
+        what = str(values.get(rank, "")) if isinstance(values, dict) else ""
+        with_rank = sides.setdefault((str(where), what), [])
+        if str(rank).isdigit():
+            with_rank.append(int(rank))
+    ordered = sorted(sides.items(), key=lambda kv: len(kv[1]))
+    lines = [f"rank{'s' if len(r) > 1 else ''} {format_ranks(r)}: {where}"
+             + (f" ({what})" if what else "") for (where, what), r in ordered]
+    return lines[:limit]
 
 
 def format_ranks(ranks: Sequence[int] | Iterable[int], *, limit: int = 12) -> str:

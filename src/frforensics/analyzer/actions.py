@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.digest import _is_library_file
-from frforensics.report import Action, Finding, FindingKind, RankFacts
+from frforensics.report import Action, Finding, FindingKind, RankFacts, code_sides
 
 __all__ = ["action_for", "derive_actions"]
 
@@ -93,7 +93,8 @@ def action_for(ctx: Context, finding: Finding, rank: int) -> tuple[str, str]:
     """``(action, detail)`` for culprit ``rank`` of ``finding`` (rule in the module doc)."""
     kind = finding.kind
     if kind in _FIX_CODE:
-        return "fix_code", _FIX_CODE[kind]
+        sides = code_sides(finding)
+        return "fix_code", _FIX_CODE[kind] + (f" ({'; '.join(sides)})" if sides else "")
     if kind is FindingKind.MISSING_RANK:
         main = _main_frames(ctx, rank)
         if main is None:

@@ -59,11 +59,15 @@ from frforensics.model import (
 
 MAGIC: Final = b"\x93FRDUMP\n"
 FORMAT_NAME: Final = "frforensics.frdump"
-VERSION: Final = 2
+VERSION: Final = 3
 # Version history (readers accept all of them):
 #   1  group members as a msgpack list of ints
 #   2  group members as packed little-endian int32 (a 16k-rank default group in
 #      every rank's dump decodes with one frombuffer, not 16k Python ints)
+#   3  group members that form an arithmetic progression of 8 or more ranks (the
+#      default group, TP blocks, DP/PP strides) as {"arith": [start, step, count]}:
+#      a 10k-rank default group is 3 ints, not 40 KB, in the tail digests the
+#      ranks publish through the c10d store at hang time
 
 __all__ = ["MAGIC", "VERSION", "decode", "encode", "is_frdump", "write_atomic"]
 
@@ -115,6 +119,22 @@ def _i4(values: Sequence[int]) -> bytes:
     return np.asarray(values, dtype="<i4").tobytes()
 
 
+_ARITH_MIN: Final = 8
+
+
+def _ranks_doc(ranks: tuple[int, ...] | None) -> Any:
+    """Group members: ``{"arith": [start, step, count]}`` for a long progression,
+    packed int32 otherwise (None when unknown)."""
+    if ranks is None:
+        return None
+    if len(ranks) >= _ARITH_MIN:
+        steps = np.diff(np.asarray(ranks, dtype=np.int64))
+        step = int(steps[0])
+        if step > 0 and bool((steps == step).all()):
+            return {"arith": [int(ranks[0]), step, len(ranks)]}
+    return _i4(ranks)
+
+
 def encode(trace: RankTrace) -> bytes:
     """Serialize ``trace`` to frdump bytes (magic + msgpack)."""
     tables = _Interner(trace.strings)
@@ -156,7 +176,7 @@ def encode(trace: RankTrace) -> bytes:
             {
                 "name": g.name,
                 "desc": g.desc,
-                "ranks": None if g.ranks is None else _i4(g.ranks),
+                "ranks": _ranks_doc(g.ranks),
                 "backend": g.backend,
             }
             for g in trace.groups
@@ -266,9 +286,17 @@ def decode(data: bytes, *, source: str = "<bytes>") -> RankTrace:
 
 
 def _group_ranks(raw: Any, source: str) -> tuple[int, ...] | None:
-    """Group members: packed int32 (version 2) or a list of ints (version 1)."""
+    """Group members: a progression (version 3), packed int32 (version 2) or a list
+    of ints (version 1)."""
     if raw is None:
         return None
+    if isinstance(raw, dict):
+        arith = raw.get("arith")
+        if (isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith)
+                and arith[1] > 0 and 0 <= arith[2] <= 1 << 24 and arith[0] >= 0):
+            start, step, count = arith
+            return tuple(range(start, start + step * count, step))
+        raise CorruptDumpError(f"{source}: group ranks are malformed")
     if isinstance(raw, bytes):
         return tuple(_int_column(raw, "group ranks", source).tolist())
     if isinstance(raw, list) and all(type(r) is int for r in raw):

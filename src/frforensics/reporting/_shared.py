@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from frforensics.report import Finding, Report, Severity, Status, format_ranks
+from frforensics.report import Finding, Report, Severity, Status, code_sides, format_ranks
 
-__all__ = ["RankState", "action_lines", "culprit_label", "rank_states", "seq_label",
+__all__ = ["RankState", "action_lines", "code_sides", "culprit_label", "rank_states", "seq_label",
            "top_finding"]
 
 MAX_STATES = 12
