@@ -655,8 +655,11 @@ def _note_recorder(st: State, record: dict[str, Any]) -> None:
         return
     rearm = getattr(recorder, "rearm", None)
     if rearm is not None and recorder.is_enabled():
+        # Rank and world size stay the member ids of init_process_group: the
+        # recorder's dump names and group members are in those terms
+        # (recorder/_reconfig.py); the group rank is only the backend's.
         with contextlib.suppress(Exception):
-            rearm(rank=st.members.index(st.me), world_size=len(st.members))
+            rearm()
 
 
 # ---------------------------------------------------------------- standby, exclusion

@@ -4,7 +4,8 @@ Every job: ``init_process_group("gloo", enable_reconfigure=True)``, the recorder
 (watchdog deadline 3 s: past the 2 s heartbeat staleness), the gloo op timeout 5 s (how the survivors leave the
 blocked collective, docs/recovery.md), ``recovery.setup()``, then steps of
 ``all_reduce(member id + 1)`` checked against the sum over the current members.
-The verdict is the analyzer's, on the job's own dumps (``verdict_from_dump_dir``).
+The verdict is the job's own (the recorder's verdict at hang time, issue 13);
+one test takes it from the shared dump directory instead (``verdict_from_dump_dir``).
 
 These need torch >= 2.15 (marker ``reconfigure``: deselected by default, run by
 the 2.15 CI stage with ``-m reconfigure``); on older torch they fail, they do not skip.
@@ -32,7 +33,10 @@ SPARES = int(os.environ.get("FRT_SPARES", "0"))
 ACTIVE = world_size - SPARES
 dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ["FRT_OP_TIMEOUT_S"])),
                         enable_reconfigure=True)
-source = recovery.verdict_from_dump_dir(DUMP_DIR, world_size=ACTIVE)
+# "job": the recorder's own verdict at hang time (issue 13, the default);
+# "dir": fr-analyze on the shared dump directory (verdict_from_dump_dir).
+source = (recovery.verdict_from_dump_dir(DUMP_DIR, world_size=ACTIVE)
+          if os.environ["FRT_SOURCE"] == "dir" else None)
 if SCENARIO == "second" and rank == 3:
     def source(timeout_s, detail):  # dies once the recovery has begun
         os.kill(os.getpid(), signal.SIGKILL)
@@ -141,11 +145,12 @@ def _wait_events(job: Any, ranks: list[int], name: str, timeout_s: float) -> Non
         raise AssertionError(f"ranks {missing} never reported {name!r}\n{job.logs()}")
 
 
-def _start(run_job: Any, scenario: str, world_size: int = 4, spares: int = 0) -> Any:
+def _start(run_job: Any, scenario: str, world_size: int = 4, spares: int = 0,
+           source: str = "job") -> Any:
     return run_job(BODY, world_size=world_size, deadline_s=3.0, store_poll_s=0.2,
                    hard_exit_s=120.0,
                    env={"FRT_INIT": "0", "FRT_SCENARIO": scenario, "FRT_OP_TIMEOUT_S": "5",
-                        "FRT_SPARES": str(spares)},
+                        "FRT_SPARES": str(spares), "FRT_SOURCE": source},
                    name=scenario)
 
 
@@ -187,8 +192,9 @@ def _assert_recorder_split_the_group(job: Any) -> None:
     assert any("members [0, 1, 2, 3] -> [0, 1, 3] (now 0@r2)" in n for n in trace.notes)
 
 
-def test_frozen_rank_is_excluded_and_the_other_three_train_on(run_job: Any) -> None:
-    job = _start(run_job, "stop")
+@pytest.mark.parametrize("source", ["job", "dir"])
+def test_frozen_rank_is_excluded_and_the_other_three_train_on(run_job: Any, source: str) -> None:
+    job = _start(run_job, "stop", source=source)
     try:
         _wait_events(job, [0, 1, 3], "done", 90)
         _assert_group_of_three(job)
