@@ -70,6 +70,7 @@ log = logging.getLogger("frforensics.recovery")
 #: Exit code of a process told it was excluded from the job.
 EXIT_EXCLUDED = 79
 _NS = "frforensics/recovery/"
+_PEER_LOSS = "Connection closed by peer"
 T = TypeVar("T")
 
 
@@ -356,6 +357,14 @@ def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | N
     wait = getattr(recorder, "wait_verdict", None)
     if request is None or wait is None or not recorder.is_enabled():
         return None
+    if _PEER_LOSS in detail or "Connection reset" in detail or "Broken pipe" in detail:
+        # The op failed at once because a peer died: give the dead peer's heartbeat
+        # time to go stale first, so the dumps the verdict reads name it (dead_rank)
+        # rather than a rank merely missing (the recorder's excepthook does the same).
+        with contextlib.suppress(Exception):
+            config = recorder.session().rec.config  # type: ignore[union-attr]
+            settle = min(float(config.stale_limit_s) + float(config.store_poll_interval_s), 10.0)
+            time.sleep(max(0.0, min(settle, deadline - time.monotonic())))
     with contextlib.suppress(Exception):
         request(detail)
     v = wait(max(0.0, deadline - time.monotonic()))
