@@ -1,10 +1,12 @@
 """A real 4-rank gloo job on torch 2.15 that loses rank 2 and keeps training.
 
-    PYTHONPATH=src /root/.cache/frforensics/venv-torch-2.15.0/bin/python bench/recovery/demo.py [stop|kill]
+    PYTHONPATH=src /root/.cache/frforensics/venv-torch-2.15.0/bin/python bench/recovery/demo.py [stop|kill] [job|dir]
 
 Rank 2 freezes (SIGSTOP: a hung host, nothing in the process runs) or is killed
 (SIGKILL) before step 5; ranks 0, 1, 3 recover and train 20 more steps. Prints the
 job's log (every rank's stderr/stdout, time-stamped, merged) and the measured times.
+The verdict is the job's own (recorder, issue 13) or, with ``dir``, fr-analyze on the
+shared dump directory.
 Recorder deadline 3 s, gloo op timeout 5 s (the group's timeout), store poll 0.2 s.
 """
 
@@ -32,9 +34,10 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 DUMP_DIR, MODE = os.environ["DEMO_DUMPS"], os.environ["DEMO_MODE"]
 recorder.enable(DUMP_DIR, timeout_s=3.0, store_poll_interval_s=0.2)
 dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
+source = (recovery.verdict_from_dump_dir(DUMP_DIR, world_size=world)
+          if os.environ["DEMO_SOURCE"] == "dir" else None)  # None: the job's own verdict
 recovery.setup(options=recovery.Options(
-    verdict_timeout_s=25, arrival_timeout_s=8, reconfigure_timeout_s=8,
-    verdict_source=recovery.verdict_from_dump_dir(DUMP_DIR, world_size=world)))
+    verdict_timeout_s=25, arrival_timeout_s=8, reconfigure_timeout_s=8, verdict_source=source))
 def say(msg): print(f"{time.time():.3f} step-log rank {rank}: {msg}", flush=True)
 step, after = 0, 0
 while after < 20:
@@ -67,6 +70,7 @@ os._exit(0)
 
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "stop"
+    source = sys.argv[2] if len(sys.argv) > 2 else "job"
     root = Path(tempfile.mkdtemp(prefix="frf-recovery-demo-"))
     (root / "dumps").mkdir()
     (root / "worker.py").write_text(WORKER)
@@ -88,7 +92,7 @@ def main() -> int:
     procs = []
     for rank in range(4):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), DEMO_DUMPS=str(root / "dumps"), DEMO_MODE=mode,
+                   MASTER_PORT=str(port), DEMO_DUMPS=str(root / "dumps"), DEMO_MODE=mode, DEMO_SOURCE=source,
                    OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", PYTHONUNBUFFERED="1")
         p = subprocess.Popen([sys.executable, str(root / "worker.py")], env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -109,7 +113,7 @@ def main() -> int:
     first = [t for t, x in lines if "first step after recovery" in x]
     for t, x in lines:
         print(f"+{t - t_hang:7.3f} s  {x}")
-    print(json.dumps({"mode": mode, "exit_codes": [p.returncode for p in procs],
+    print(json.dumps({"mode": mode, "verdict_source": source, "exit_codes": [p.returncode for p in procs],
                       "hang_to_first_step_after_s": round(max(first) - t_hang, 3) if first else None}))
     return 0
 

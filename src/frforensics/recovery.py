@@ -490,7 +490,7 @@ def recover(g: Guard, *, cause: BaseException | None = None) -> None:
                 f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
                 "enabled with the verdict at hang time?); not guessing whom to exclude") from cause
         g.verdict = verdict
-        _say(st, f"verdict: {verdict.get('headline', '')}")
+        _say(st, f"verdict: {' '.join(str(verdict.get('headline', '')).split())}")
         excluded = exclusion_from(verdict, st.members)
         _reform(st, g, verdict, excluded, t0)
     except RecoveryError as exc:
@@ -734,7 +734,8 @@ def _exclusion_watch(st: State) -> None:
 
 def _exit_excluded(st: State, verdict: dict[str, Any]) -> None:
     _say(st, f"this rank was excluded from the job by the verdict: "
-             f"{verdict.get('headline', '')}; exiting with code {EXIT_EXCLUDED}")
+             f"{' '.join(str(verdict.get('headline', '')).split())}; "
+             f"exiting with code {EXIT_EXCLUDED}")
     if st.options.exit_excluded:
         sys.stderr.flush()
         os._exit(EXIT_EXCLUDED)
