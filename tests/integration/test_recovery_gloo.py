@@ -275,8 +275,10 @@ def test_second_rank_dying_during_recovery_fails_bounded_with_the_verdicts(
         for r in (0, 1):
             ev = _event(job, r, "failed")
             assert ev is not None and ev["kind"] == "RecoveryFailed", job.logs()
-            assert "did not arrive" in ev["reason"] or "no membership decision" in ev["reason"]
-            assert ev["verdicts"] and ev["verdicts"][0]
+            assert "rank 3" in ev["reason"] and "did not arrive" in ev["reason"]
+            # the incident's verdict and the next one (rearm + request_verdict)
+            assert len(ev["verdicts"]) == 2 and all(ev["verdicts"])
+            assert "dead_rank" in ev["verdicts"][0]
             assert ev["seconds"] < 25 + 8 + 8 + 10
     finally:
         _release(job)
