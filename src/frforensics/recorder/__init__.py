@@ -217,7 +217,7 @@ def start(config: RecorderConfig) -> Session | None:
             _stop(old)
         rec = Recorder(config)
         writer = DumpWriter(rec)
-        writer.native_source = _c10d.native_dump_bytes
+        writer.native_source = _c10d.native_dumps
         sess = Session(rec, writer)
         from frforensics.recorder._verdict import VerdictAgent
 
