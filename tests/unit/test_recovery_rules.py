@@ -8,6 +8,8 @@ import pytest
 
 from frforensics import recovery
 
+pytestmark = pytest.mark.torch215  # run on 2.13 (stage 1) and 2.15 (stage 2)
+
 
 def _verdict(*actions: tuple[int, str]) -> dict[str, Any]:
     return {"schema": "frforensics.verdict/1", "status": "hang", "headline": "HANG — test",
