@@ -51,3 +51,16 @@ def test_torch_without_reconfigure_is_said_in_one_line() -> None:
     assert "torch >= 2.15" in why and torch.__version__ in why
     with pytest.raises(recovery.RecoveryUnavailable, match=r"torch >= 2\.15"):
         recovery.setup()
+
+
+@pytest.mark.parametrize(("message", "is_comm"), [
+    ("[../unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete", True),
+    ("[../pair.cc:561] Connection closed by peer [127.0.0.1]:45793. This is typically", True),
+    ("[../pair.cc:545] Read error [127.0.0.1]:22437: Connection reset by peer.", True),
+    ("Application timeout caused pair closure", True),
+    ("my data loader timed out", False),
+    ("CUDA out of memory", False),
+])
+def test_only_failed_collectives_start_a_recovery(message: str, is_comm: bool) -> None:
+    assert recovery._is_comm_failure(RuntimeError(message)) is is_comm
+    assert recovery._is_comm_failure(ValueError(message)) is False
