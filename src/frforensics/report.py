@@ -65,6 +65,7 @@ class FindingKind(str, enum.Enum):
     TIMEOUT = "timeout"
     STRAGGLER = "straggler"
     DEAD_RANK = "dead_rank"
+    INCOMPLETE_DUMP = "incomplete_dump"
 
 
 #: The status a finding of each kind implies, at error severity.
@@ -79,11 +80,13 @@ KIND_STATUS: Final = {
     FindingKind.DEAD_RANK: Status.HANG,
     FindingKind.MISSING_DUMP: Status.HANG,
     FindingKind.STRAGGLER: Status.DEGRADED,
+    FindingKind.INCOMPLETE_DUMP: Status.DEGRADED,
 }
 
 #: Default severity per kind (``missing_dump`` is an error only with waiters).
 KIND_SEVERITY: Final = {
-    kind: (Severity.WARNING if kind is FindingKind.STRAGGLER else Severity.ERROR)
+    kind: (Severity.WARNING if kind in (FindingKind.STRAGGLER, FindingKind.INCOMPLETE_DUMP)
+           else Severity.ERROR)
     for kind in FindingKind
 }
 

@@ -64,7 +64,7 @@ def test_native_pickle_decodes_into_columns() -> None:
     trace = decode_dump(pickle.dumps(_native_doc()), source="nccl_trace_rank_3", rank_hint=3)
     assert trace.rank == 3 and trace.rank_from == "filename"
     assert trace.format is SourceFormat.NATIVE_PICKLE
-    assert trace.groups == (GroupInfo("0", "default_pg", (0, 1, 2, 3)),)
+    assert trace.groups == (GroupInfo("0", "default_pg", (0, 1, 2, 3), backend="nccl"),)
     assert trace.entries.seq.tolist() == [1, 2, 3]
     assert trace.entries.state.tolist() == [2, 2, 1]
     assert trace.entries.in_numel.tolist() == [16, 16, 16]
@@ -85,7 +85,7 @@ def test_native_json_decodes_like_the_pickle() -> None:
 def test_gloo_empty_pg_config_leaves_membership_unknown() -> None:
     doc = _native_doc(pg_config={"": {"name": "", "desc": "", "ranks": "[]"}})
     trace = decode_dump(pickle.dumps(doc), source="x", rank_hint=0)
-    assert trace.groups == (GroupInfo("0", "default_pg", None),)
+    assert trace.groups == (GroupInfo("0", "default_pg", None, backend="nccl"),)  # from "nccl:"
 
 
 @pytest.mark.parametrize("missing", ["p2p_seq_id", "is_p2p", "thread_name", "timeout_ms",

@@ -20,7 +20,7 @@ def _ctx(dumps: object) -> tuple[Context, DumpSet]:
     for r, t in dumps.traces().items():  # type: ignore[attr-defined]
         ds.digests[r] = digest(t, rank=r)
     job = build_job(ds.digests, world_size=dumps.world_size)  # type: ignore[attr-defined]
-    return Context(job=job, graph=build_wait_graph(job), options=AnalyzeOptions()), ds
+    return Context.build(job, build_wait_graph(job), AnalyzeOptions()), ds
 
 
 @pytest.mark.parametrize(("size", "layout", "rank"), [

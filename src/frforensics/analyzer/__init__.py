@@ -40,6 +40,7 @@ _KIND_ORDER = [
     FindingKind.MISSING_DUMP,
     FindingKind.TIMEOUT,
     FindingKind.STRAGGLER,
+    FindingKind.INCOMPLETE_DUMP,
 ]
 
 
@@ -66,7 +67,7 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
         )
     job = build_job(dumps.digests, world_size=options.world_size)
     graph = build_wait_graph(job, hang_after_s=options.hang_after_s)
-    ctx = Context(job=job, graph=graph, options=options)
+    ctx = Context.build(job, graph, options)
     findings: list[Finding] = []
     for detector in DETECTORS:
         findings.extend(detector(ctx))

@@ -75,18 +75,23 @@ def _main_frames(ctx: Context, rank: int) -> tuple[str, bool] | None:
 def _arrived_late(finding: Finding, rank: int) -> bool:
     """A ``timeout`` whose culprit entered after its peers had given up.
 
-    Either the detector's late-entry form (``evidence.late_by_s``), or the
-    states say so: every waiting member's op ``failed`` (its timeout fired)
-    while the culprit's did not.
+    The detector's late-entry form says so in its evidence (``late_entry``, or
+    ``late_by_s``); otherwise the states tell: the waiting members' ops
+    ``failed`` (their timeout fired) while the culprit's did not, or every
+    member is in the same state and the detector still told the culprit apart
+    (``distinguishable``) — which only arrival times can do.
     """
-    if "late_by_s" in finding.evidence:
+    ev = finding.evidence
+    if ev.get("late_entry") or "late_by_s" in ev:
         return True
-    states = finding.evidence.get("states")
+    states = ev.get("states")
     if not isinstance(states, Mapping) or not finding.waiting_ranks:
         return False
     mine = states.get(str(rank))
-    return mine not in (None, "failed") and all(
-        states.get(str(r)) == "failed" for r in finding.waiting_ranks)
+    waiting = [states.get(str(r)) for r in finding.waiting_ranks]
+    if mine not in (None, "failed") and all(s == "failed" for s in waiting):
+        return True
+    return bool(ev.get("distinguishable")) and all(s == mine for s in waiting)
 
 
 def action_for(ctx: Context, finding: Finding, rank: int) -> tuple[str, str]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from frforensics.analyzer.merge import JobModel
+from frforensics.analyzer.signatures import Mismatch, find_mismatches
 from frforensics.analyzer.waits import Wait, WaitGraph
 from frforensics.report import GroupRef, format_ranks
 
@@ -26,15 +26,26 @@ class AnalyzeOptions:
     max_findings_per_kind: int = 20
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Context:
-    """Shared input of the detectors."""
+    """Shared input of the detectors, computed before any of them runs.
+
+    Detectors only read it, so their order does not matter: ``mismatches`` is
+    the signature pass (``analyzer.signatures``), ``desynced`` the collectives
+    it found mismatched — the hang detectors do not report those again.
+    """
 
     job: JobModel
     graph: WaitGraph
     options: AnalyzeOptions
-    desynced: set[tuple[int, int]] = field(default_factory=set)  # (gid, seq) with a mismatch
-    mismatches: list[Any] | None = None  # computed once, shared by the mismatch detectors
+    mismatches: tuple[Mismatch, ...] = ()
+    desynced: frozenset[tuple[int, int]] = frozenset()  # (gid, seq) with a mismatch
+
+    @classmethod
+    def build(cls, job: JobModel, graph: WaitGraph, options: AnalyzeOptions) -> Context:
+        """The context with its shared passes computed."""
+        mismatches = find_mismatches(job)
+        return cls(job, graph, options, mismatches, frozenset((m.gid, m.seq) for m in mismatches))
 
     def pg(self, gid: int) -> GroupRef:
         return self.job.groups[gid].ref()

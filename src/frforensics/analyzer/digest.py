@@ -10,6 +10,15 @@ boundary or stays in memory. It keeps:
   compare without a shared string table;
 * full :class:`EntryDetail` records for the entries a report can talk about:
   every unfinished entry plus the last ``tail`` entries.
+
+States are *effective* states: PyTorch records each member op of a coalesced
+block (``_coalescing_manager``, ``batch_isend_irecv``, bucketed collectives)
+without CUDA events, so a member's own entry stays ``scheduled`` and is never
+retired; only the block's closing ``coalesced`` entry, which carries the same
+``collective_seq_id`` (p2p: the same ``p2p_seq_id``), tracks the block's real
+state (docs/native-format.md, "coalesced blocks"). Every member takes its
+closing entry's state here, and ``unit`` maps each row to the row that carries
+its block's state (itself when not coalesced).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from frforensics.model import (
     ThreadStack,
 )
 
-__all__ = ["EntryDetail", "RankDigest", "digest", "str_hash", "user_frame"]
+__all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame"]
 
 DEFAULT_TAIL: Final = 32
 
@@ -159,6 +168,12 @@ class RankDigest:
     site: U4 | None = None
     sites: dict[int, str] | None = None
     numel: I8 | None = None
+    #: row -> the row carrying its coalesced block's state (``coalesced_units``);
+    #: ``None``: every row is its own unit
+    unit: I8 | None = None
+    #: the dump shows GPU progress (a ``started`` entry or a discovered start
+    #: time: NCCL's CUDA events); gloo dumps never do
+    gpu_states: bool = False
     # physical identity (model.RankTrace); None where unknown
     local_rank: int | None = None
     cuda_device: int | None = None
@@ -188,6 +203,10 @@ class RankDigest:
         """
         return np.flatnonzero(self.state != OpState.COMPLETED)
 
+    def unit_of(self, row: int) -> int:
+        """The row that carries ``row``'s coalesced block's state (``row`` itself if none)."""
+        return row if self.unit is None else int(self.unit[row])
+
     def stuck_at(self) -> str | None:
         """Where the main thread was at dump time (user frame), if known."""
         for thread in self.threads:
@@ -197,7 +216,95 @@ class RankDigest:
         return None
 
 
-def _detail(trace: RankTrace, row: int, locations: dict[int, str | None]) -> EntryDetail:
+#: profiling names of the entry that closes a coalesced block: ``endCoalescing``
+#: records "nccl:coalesced", or "nccl:<OPTYPE>_coalesced" for the uneven
+#: all_gather / reduce_scatter paths (docs/native-format.md)
+CLOSING_OPS: Final = frozenset({"coalesced", "ALLGATHER_coalesced", "REDUCE_SCATTER_coalesced"})
+_CLOSING_HASHES: Final = np.array(sorted(str_hash(x) for x in CLOSING_OPS), dtype=np.uint32)
+
+
+def coalesced_units(group: npt.NDArray[np.int32], seq: I8, p2p_seq: I8, is_p2p: U1,
+                    op_hash: U4, state: U1) -> tuple[I8 | None, U1, U1]:
+    """Each row's unit, the effective states and the effective p2p flags.
+
+    A coalesced block is its members followed by one closing entry
+    (``CLOSING_OPS``) that carries the block's state; members are recorded
+    without CUDA events and stay ``scheduled``. PyTorch bumps the block's seq
+    once, so members and closing entry share it: ``collective_seq_id`` for a
+    block of collectives, ``p2p_seq_id`` for a p2p batch. The closing entry of
+    a p2p batch says ``is_p2p=False`` and carries the last *collective* seq
+    (``initWork`` derives the flag from ``OpType::COALESCED``): it is taken as
+    p2p here when the entry before it in its group is a p2p op of the same
+    ``p2p_seq_id``, so it never poses as a collective.
+
+    Returns ``(unit, state, is_p2p)``: ``unit[row]`` is the closing row of the
+    row's block (``row`` itself if none), members take their closing entry's
+    state. ``unit`` is ``None`` when the dump holds no closing entry.
+    """
+    closing = np.isin(op_hash, _CLOSING_HASHES)
+    n = len(state)
+    if n == 0 or not closing.any():
+        return None, state, is_p2p
+    rows = np.arange(n, dtype=np.int64)
+    p2p = is_p2p.astype(bool)
+    # the previous row of the same group, for each closing row
+    by_group = np.lexsort((rows, group))
+    prev = np.full(n, -1, dtype=np.int64)
+    same = group[by_group[1:]] == group[by_group[:-1]]
+    prev[by_group[1:][same]] = by_group[:-1][same]
+    close_rows = np.flatnonzero(closing)
+    before = prev[close_rows]
+    p2p_close = close_rows[(before >= 0) & p2p[np.maximum(before, 0)]
+                           & (p2p_seq[np.maximum(before, 0)] == p2p_seq[close_rows])]
+    p2p = p2p.copy()
+    p2p[p2p_close] = True
+    key = np.where(p2p, p2p_seq, seq)
+    order = np.lexsort((rows, key, p2p, group))
+    g, k, kk = group[order], p2p[order], key[order]
+    new_run = np.r_[True, (g[1:] != g[:-1]) | (k[1:] != k[:-1]) | (kk[1:] != kk[:-1])]
+    starts = np.flatnonzero(new_run)
+    run = np.cumsum(new_run) - 1
+    # the last closing row of each run (-1: the run has none)
+    close_row = np.maximum.reduceat(np.where(closing[order], order, -1), starts)
+    carrier = close_row[run]
+    unit = rows.copy()
+    has = carrier >= 0
+    unit[order[has]] = carrier[has]
+    effective = state[unit]
+    return (unit, np.ascontiguousarray(effective, dtype=np.uint8),
+            np.ascontiguousarray(p2p, dtype=np.uint8))
+
+
+def _record_order_seqs(trace: RankTrace, seq: I8) -> tuple[I8, tuple[str, ...]]:
+    """Collective seqs, numbered by record order in groups whose seqs never increase.
+
+    Some hand-made and older dumps write ``collective_seq_id`` 0 (or one constant)
+    for every collective: matching by seq would pair everything with
+    everything. There the k-th collective of the group is numbered k (counting
+    from the ring's first entry, so a ring that evicted entries is misaligned:
+    the note says so).
+    """
+    e = trace.entries
+    coll = e.is_p2p == 0
+    notes: list[str] = []
+    out = np.ascontiguousarray(seq)
+    for local in np.unique(e.pg[coll]).tolist():
+        rows = np.flatnonzero(coll & (e.pg == local))
+        if len(rows) < 2 or int(seq[rows].min()) != int(seq[rows].max()):
+            continue
+        if out is seq:
+            out = seq.copy()
+        out[rows] = np.arange(1, len(rows) + 1, dtype=np.int64)
+        name = trace.groups[local].name if 0 <= local < len(trace.groups) else str(local)
+        notes.append(f"group {name[:40]}: collective_seq_id never increases ({len(rows)} entries "
+                     f"say {int(seq[rows[0]])}): collectives matched by record order"
+                     + (" (this ring evicted entries, so the order may be shifted)"
+                        if trace.dropped or (len(e) and int(e.record_id[0]) > 0) else ""))
+    return out, tuple(notes)
+
+
+def _detail(trace: RankTrace, row: int, locations: dict[int, str | None],
+            state: U1, is_p2p: U1, seq: I8) -> EntryDetail:
     e = trace.entries
     s = trace.string
     stack = int(e.stack[row])
@@ -209,11 +316,11 @@ def _detail(trace: RankTrace, row: int, locations: dict[int, str | None]) -> Ent
         row=row,
         record_id=int(e.record_id[row]),
         group=int(e.pg[row]),
-        seq=int(e.seq[row]),
+        seq=int(seq[row]),
         p2p_seq=int(e.p2p_seq[row]),
         peer_seq=int(e.peer_seq[row]),
         op=s(int(e.op[row])),
-        is_p2p=bool(e.is_p2p[row]),
+        is_p2p=bool(is_p2p[row]),
         peer=int(e.peer[row]),
         root=int(e.root[row]),
         in_shapes=s(int(e.in_shapes[row])),
@@ -221,7 +328,7 @@ def _detail(trace: RankTrace, row: int, locations: dict[int, str | None]) -> Ent
         in_dtypes=s(int(e.in_dtypes[row])),
         out_dtypes=s(int(e.out_dtypes[row])),
         reduce_op=s(int(e.reduce_op[row])),
-        state=OpState(int(e.state[row])),
+        state=OpState(int(state[row])),
         t_enqueue_ns=int(e.t_enqueue_ns[row]),
         t_start_ns=int(e.t_start_ns[row]),
         t_complete_ns=int(e.t_complete_ns[row]),
@@ -268,10 +375,19 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
     site = site_lookup[np.where((e.stack >= 0) & (e.stack < len(trace.stacks)), e.stack,
                                 len(trace.stacks))]
 
+    seq, order_notes = _record_order_seqs(trace, e.seq)
+    unit, state, is_p2p = coalesced_units(e.pg, seq, e.p2p_seq, e.is_p2p, op_hash, e.state)
+    if unit is not None:
+        closing = np.isin(op_hash, _CLOSING_HASHES)
+        size[closing] = 0  # no tensors of its own: the block's size is its members'
+        size[is_p2p.astype(bool)] = -1
+    # NCCL stamps states from CUDA events at dump time; gloo only retires
+    gpu_states = bool(any(g.backend == "nccl" for g in trace.groups)
+                      or (e.state == OpState.STARTED).any() or (e.t_start_ns > 0).any())
     keep = set(range(max(0, n - tail), n))
-    keep.update(np.flatnonzero(e.state != OpState.COMPLETED).tolist())
+    keep.update(np.flatnonzero(state != OpState.COMPLETED).tolist())
     locations: dict[int, str | None] = {}
-    details = {row: _detail(trace, row, locations) for row in sorted(keep)}
+    details = {row: _detail(trace, row, locations, state, is_p2p, seq) for row in sorted(keep)}
     return RankDigest(
         rank=rank,
         rank_from=trace.rank_from,
@@ -290,17 +406,17 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         threads=trace.threads,
         stale_peers=trace.stale_peers,
         death=trace.death,
-        notes=trace.notes,
+        notes=(*trace.notes, *order_notes),
         group=np.ascontiguousarray(e.pg),
-        seq=np.ascontiguousarray(e.seq),
+        seq=seq,
         p2p_seq=np.ascontiguousarray(e.p2p_seq),
         peer_seq=np.ascontiguousarray(e.peer_seq),
-        is_p2p=np.ascontiguousarray(e.is_p2p),
+        is_p2p=is_p2p if unit is not None else np.ascontiguousarray(e.is_p2p),
         peer=np.ascontiguousarray(e.peer),
         op_hash=op_hash,
         dtype_hash=hashed(e.in_dtypes),
         size=size,
-        state=np.ascontiguousarray(e.state),
+        state=state if unit is not None else np.ascontiguousarray(e.state),
         t_enqueue_ns=np.ascontiguousarray(e.t_enqueue_ns),
         t_complete_ns=np.ascontiguousarray(e.t_complete_ns),
         timeout_ms=np.ascontiguousarray(e.timeout_ms),
@@ -310,6 +426,8 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         site=site,
         sites=sites,
         numel=np.ascontiguousarray(e.in_numel),
+        unit=unit,
+        gpu_states=gpu_states,
         local_rank=trace.local_rank,
         cuda_device=trace.cuda_device,
         gpu_uuid=trace.gpu_uuid,

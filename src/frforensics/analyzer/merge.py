@@ -11,10 +11,19 @@ Each rank's ring may have evicted its oldest entries, so ranks' windows on one
 group start at different seqs; a rank is known to have *not entered* collective
 ``s`` of a group only when its window covers that group up to its end and its
 newest seq there is below ``s``.
+
+Where each rank is really *blocked* matters more than what it enqueued: the CPU
+runs ahead of the GPU (NCCL), so a rank's ring holds ops it enqueued after the op
+it is stuck in. A rank is blocked in its *earliest unfinished* op
+(``blocked_row``); an op it enqueued after that and whose kernel did not start is
+*queued* behind it — the rank is "in" that op only as a queued entry, so peers
+waiting in it wait **for** that rank (docs/native-format.md, "the CPU runs ahead").
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -23,7 +32,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import RankDigest, str_hash
 from frforensics.model import GroupInfo, OpState
-from frforensics.report import GroupRef
+from frforensics.report import GroupRef, format_ranks
 
 __all__ = ["Group", "JobModel", "build_job"]
 
@@ -69,7 +78,10 @@ class JobModel:
     group_of: dict[tuple[int, int], int]
     notes: list[str]
     now_known: bool
+    #: some dump shows GPU progress (``started`` states): NCCL semantics apply
+    gpu_states: bool = False
     _views: dict[tuple[int, int], _RankGroupView] = field(default_factory=dict)
+    _blocked: dict[int, int | None] = field(default_factory=dict)
 
     @property
     def missing_dumps(self) -> list[int]:
@@ -126,7 +138,87 @@ class JobModel:
         if len(rows) == 0:
             return "unknown"
         done = bool((d.state[rows] == OpState.COMPLETED).all())
-        return "completed" if done else "entered"
+        if done:
+            return "completed"
+        return "queued" if self.is_queued(rank, int(rows[0])) else "entered"
+
+    def is_queued(self, rank: int, row: int) -> bool:
+        """True when ``rank``'s unfinished entry ``row`` is only queued: the rank is
+        blocked in an earlier op (``blocked_row``), ``row`` is not part of that
+        op's coalesced block, and its kernel never started."""
+        d = self.digests[rank]
+        if int(d.state[row]) != OpState.SCHEDULED:
+            return False
+        blocked = self.blocked_row(rank)
+        if blocked is None or row <= blocked:
+            return False
+        if d.unit_of(row) == d.unit_of(blocked):
+            return False
+        # gloo: async sends/recvs issued together progress together
+        return not (not self.gpu_states and d.is_p2p[row] and d.is_p2p[blocked]
+                    and not self._collective_between(rank, blocked, row))
+
+    def _collective_between(self, rank: int, first: int, last: int) -> bool:
+        d = self.digests[rank]
+        between = slice(first + 1, last)
+        return bool(((d.is_p2p[between] == 0) & (d.state[between] != OpState.COMPLETED)).any())
+
+    def blocked_row(self, rank: int) -> int | None:
+        """The row of ``rank``'s earliest unfinished op: where it is blocked.
+
+        An unfinished collective that another member already completed is
+        skipped in dumps whose states come from retirement only (gloo): the
+        collective ran (it completes on all members or none) and this rank's
+        entry only awaits its lazy retirement. In dumps whose states are read
+        off CUDA events at dump time (NCCL) it is *not* skipped: an op its peers
+        completed that never completed here is a kernel that never finished on
+        this rank.
+        """
+        if rank in self._blocked:
+            return self._blocked[rank]
+        d = self.digests[rank]
+        found: int | None = None
+        for row in d.pending_rows().tolist():
+            # NCCL reads states off CUDA events at dump time: a scheduled entry
+            # there is real; only retirement-based states (gloo) lag
+            if not d.gpu_states and not d.is_p2p[row] \
+                    and int(d.state[row]) == OpState.SCHEDULED \
+                    and self._completed_elsewhere(rank, row):
+                continue
+            found = int(row)
+            break
+        self._blocked[rank] = found
+        return found
+
+    def _completed_elsewhere(self, rank: int, row: int) -> bool:
+        d = self.digests[rank]
+        gid = self.group_of.get((rank, int(d.group[row])))
+        if gid is None:
+            return False
+        seq = int(d.seq[row])
+        for member in self.groups[gid].ranks:
+            if member == rank or member not in self.digests:
+                continue
+            view = self.view(member, gid)
+            if view is None or len(view.coll_rows) == 0 or not \
+                    view.min_seq <= seq <= view.max_seq:
+                continue
+            other = self.digests[member]
+            rows = view.coll_rows[other.seq[view.coll_rows] == seq]
+            if len(rows) and bool((other.state[rows] == OpState.COMPLETED).all()):
+                return True
+        return False
+
+    def state_in(self, rank: int, gid: int, seq: int) -> OpState | None:
+        """``rank``'s (effective) state in collective ``seq`` of ``gid``, if in its ring."""
+        view = self.view(rank, gid)
+        if view is None or len(view.coll_rows) == 0:
+            return None
+        d = self.digests[rank]
+        rows = view.coll_rows[d.seq[view.coll_rows] == seq]
+        if len(rows) == 0:
+            return None
+        return OpState(int(d.state[rows].min()))
 
     def age_s(self, rank: int, row: int) -> float | None:
         """How long entry ``row`` of ``rank`` had been waiting at dump time."""
@@ -138,6 +230,72 @@ class JobModel:
 
 def _default_like(info: GroupInfo) -> bool:
     return info.desc == "default_pg"
+
+
+def _dump_notes(digests: dict[int, RankDigest], *, limit: int = 6) -> list[str]:
+    """What the readers noted per dump (newer versions, unknown fields, record-order
+    matching), merged across ranks, and ranks whose dumps disagree on the version."""
+    by_note: dict[str, list[int]] = defaultdict(list)
+    versions: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for rank, d in sorted(digests.items()):
+        for note in d.notes:
+            by_note[note].append(rank)
+        versions[(d.format, d.version)].append(rank)
+    out = []
+    for note, ranks in list(by_note.items())[:limit]:
+        out.append(f"rank(s) {_ranks_text(ranks)}: {note}")
+    if len(by_note) > limit:
+        out.append(f"... and {len(by_note) - limit} more kinds of reader notes")
+    for fmt in sorted({f for f, _ in versions}):
+        seen = {v: r for (f, v), r in versions.items() if f == fmt}
+        if len(seen) > 1:
+            out.append(f"{fmt} dumps disagree on the schema version: " + "; ".join(
+                f"{v or '(none)'} on rank(s) {_ranks_text(r)}" for v, r in sorted(seen.items())))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return format_ranks(sorted(ranks))
+
+
+_SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
+#: salts tried: PyTorch appends a group counter (``_world.group_count`` in 2.15,
+#: ``len(_world.pg_names)`` in 2.13) to the joined ranks before hashing
+_MAX_SALT = 4096
+
+
+def _members_from_hashed_name(name: str, seen: tuple[int, ...],
+                              silent: list[int]) -> tuple[int, ...] | None:
+    """The members of a group named by ``_hash_ranks_to_str``, when the name proves them.
+
+    PyTorch names hashed groups ``sha1("_".join(ranks) + "_" + str(counter))``
+    (``distributed_c10d._hash_ranks_to_str``; some tools hash without the counter).
+    ``seen`` are the ranks whose dumps name the group; ``silent`` ranks left no
+    dump and may be members too. Candidates: ``seen`` plus every silent rank,
+    ``seen`` plus one silent rank, ``seen``. Returns the first candidate whose
+    hash is the name, or None (membership stays inferred).
+    """
+    if not _SHA1_NAME.match(name):
+        return None
+    # Candidates with silent ranks first: "0_1_2" salted "_3" is also "0_1_2_3"
+    # unsalted, and a silent rank whose addition reproduces the name is a member.
+    candidates = []
+    if silent and len(silent) <= 4096:
+        candidates.append(tuple(sorted({*seen, *silent})))
+        if len(silent) <= 16:
+            candidates.extend(tuple(sorted({*seen, r})) for r in silent)
+    candidates.append(seen)
+    for members in candidates:
+        joined = "_".join(map(str, members))
+        if hashlib.sha1(joined.encode(), usedforsecurity=False).hexdigest() == name:
+            return members
+        base = hashlib.sha1((joined + "_").encode(), usedforsecurity=False)
+        for salt in range(_MAX_SALT):
+            h = base.copy()
+            h.update(str(salt).encode())
+            if h.hexdigest() == name:
+                return members
+    return None
 
 
 def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) -> JobModel:
@@ -179,6 +337,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
 
     groups: list[Group] = list(known.values())
     inferred: list[str] = []
+    recovered: list[str] = []
     for name, uses in unknown.items():
         by_name = [g for g in groups if g.name == name]
         leftovers = []
@@ -196,11 +355,23 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             members = world
         else:
             members = tuple(sorted({rank for rank, _, _ in leftovers}))
-            inferred.append(name)
+            silent = [r for r in world if r not in digests]
+            named = _members_from_hashed_name(name, members, silent)
+            if named is not None:
+                if named != members:
+                    recovered.append(f"{name[:12]}… (ranks {format_ranks(list(named))})")
+                members = named
+            else:
+                inferred.append(name)
         group = Group(-1, name, desc, members, False)
         for rank, local, _ in leftovers:
             group.local[rank] = local
         groups.append(group)
+    if recovered:
+        notes.append(
+            "group membership not in the dumps (gloo) for group(s) "
+            f"{', '.join(sorted(recovered)[:8])}: recovered from the hashed group name, "
+            "which includes ranks that left no dump")
     if inferred:
         notes.append(
             "group membership not in the dumps (gloo) for group(s) "
@@ -212,7 +383,9 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         group.gid = gid
         for rank, local in group.local.items():
             group_of[(rank, local)] = gid
+    notes.extend(_dump_notes(digests))
     now_known = bool(digests) and all(d.dump_time_ns for d in digests.values())
+    gpu_states = any(d.gpu_states for d in digests.values())
     if digests and not now_known:
         notes.append(
             "dump time unknown for some ranks (native dumps do not record it): "
@@ -226,4 +399,5 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         group_of=group_of,
         notes=notes,
         now_known=now_known,
+        gpu_states=gpu_states,
     )

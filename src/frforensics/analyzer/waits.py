@@ -109,7 +109,8 @@ class P2PPairing:
     ``index`` is the op's 1-based number on its channel (the k-th send from A to
     B, or the k-th recv at B from A) when known; ``status`` is ``posted`` (the
     peer posted the counterpart), ``not_posted``, ``no_dump`` or ``unknown``;
-    ``confidence`` is ``exact`` (per-peer numbers, or both rings still hold the
+    ``queued`` (posted, but only as an entry queued behind the op the peer is
+    blocked in: the peer is waited for), ``confidence`` is ``exact`` (per-peer numbers, or both rings still hold the
     channel's whole history), ``high`` (aligned on completed pairs, sizes and
     completion times with one clear best alignment) or ``low`` (a guess: never
     enough to accuse a rank alone).
@@ -251,8 +252,8 @@ def _p2p_waits(job: JobModel, rank: int, rows: list[int]) -> list[P2PPairing]:
             hit = np.flatnonzero(their_k == k)
             if len(hit):
                 j = int(theirs[hit[0]])
-                out.append(P2PPairing(rank, row, op, peer, k, "posted", "exact", "per-peer numbers",
-                                      j, _size(job, rank, row, peer, j)))
+                out.append(P2PPairing(rank, row, op, peer, k, _posted(job, peer, j), "exact",
+                                      "per-peer numbers", j, _size(job, rank, row, peer, j)))
             elif len(theirs) and int(their_k.max()) > k:
                 out.append(P2PPairing(rank, row, op, peer, k, "posted", "high",
                                       "the peer's ring evicted its counterpart"))
@@ -271,11 +272,21 @@ def _p2p_waits(job: JobModel, rank: int, rows: list[int]) -> list[P2PPairing]:
         if j >= len(theirs):
             status, counterpart = "not_posted", None
         else:
-            status, counterpart = "posted", (int(theirs[j]) if j >= 0 else None)
+            counterpart = int(theirs[j]) if j >= 0 else None
+            status = "posted" if counterpart is None else _posted(job, peer, counterpart)
         mismatch = counterpart is not None and _size(job, rank, row, peer, counterpart)
         out.append(P2PPairing(rank, row, op, peer, index, status, confidence, basis,
                               counterpart, mismatch))
     return out
+
+
+def _posted(job: JobModel, peer: int, their_row: int) -> str:
+    """``posted``, or ``queued`` when the peer holds the counterpart only as an
+    entry queued behind the op it is really blocked in."""
+    d = job.digests[peer]
+    if int(d.state[their_row]) == OpState.COMPLETED:
+        return "posted"
+    return "queued" if job.is_queued(peer, their_row) else "posted"
 
 
 def _size(job: JobModel, rank: int, row: int, peer: int, their_row: int) -> bool:
@@ -286,16 +297,30 @@ def _size(job: JobModel, rank: int, row: int, peer: int, their_row: int) -> bool
     return int(a.numel[row]) != int(b.numel[their_row])
 
 
+def _active_p2p_rows(job: JobModel, rank: int, blocked: int) -> list[int]:
+    """The pending p2p rows ``rank`` is really in: those of the blocked op's
+    block, and any not merely queued behind it (``JobModel.is_queued``)."""
+    d = job.digests[rank]
+    return [int(r) for r in d.pending_rows().tolist()
+            if d.is_p2p[r] and r >= blocked and not job.is_queued(rank, int(r))]
+
+
 def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
-    """Find every blocked rank's wait, then the roots and cycles of the graph."""
+    """Find every blocked rank's wait, then the roots and cycles of the graph.
+
+    Each rank is judged where it is really blocked (``JobModel.blocked_row``:
+    its earliest unfinished op); ops it enqueued after that are queue, and a
+    member that holds the awaited collective only as a queued entry is waited
+    *for* (status ``queued``), so the chain continues from where it is blocked.
+    """
     waits: dict[int, Wait] = {}
     young: list[int] = []
     coll_cache: dict[tuple[int, int], dict[int, str]] = {}
     for rank, d in sorted(job.digests.items()):
-        pending = d.pending_rows()
-        if len(pending) == 0:
+        blocked = job.blocked_row(rank)
+        if blocked is None:
             continue
-        row = int(pending[0])
+        row = blocked
         age = job.age_s(rank, row)
         if age is not None and age < hang_after_s:
             young.append(rank)
@@ -306,11 +331,10 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
         detail = d.detail(row)
         op = d.op_names.get(int(d.op_hash[row]), "?")
         if d.is_p2p[row]:
-            p2p_rows = [int(r) for r in pending if d.is_p2p[r]]
-            pairings = _p2p_waits(job, rank, p2p_rows)
+            pairings = _p2p_waits(job, rank, _active_p2p_rows(job, rank, row))
             reasons: dict[int, str] = {}
             for pairing in pairings:
-                if pairing.status in ("not_posted", "no_dump"):
+                if pairing.status in ("not_posted", "no_dump", "queued"):
                     reasons.setdefault(pairing.peer, pairing.status)
             confidence = _worst_confidence([x.confidence for x in pairings])
             waits[rank] = Wait(rank, row, gid, int(d.p2p_seq[row]), "p2p", op, tuple(reasons),
@@ -328,11 +352,16 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
                     status[member] = job.entered(member, gid, seq, issued_ns=issued)
             coll_cache[(gid, seq)] = status
         if any(s == "completed" for s in status.values()):
-            # A collective completes on all members or none: a member that finished
-            # it proves it ran; this rank's entry only awaits its (lazy) retirement.
+            # A collective completes on all members or none: members that finished
+            # it prove it ran. This rank's entry is ``started`` (blocked_row skips
+            # the scheduled ones that only await retirement): its kernel never
+            # finished here — stuck in the op, waiting on nobody.
+            waits[rank] = Wait(rank, row, gid, seq, "collective", op, (), {},
+                               tuple(m for m, s in status.items() if s != "no_dump"),
+                               age, detail)
             continue
         on_coll = tuple(m for m, s in status.items()
-                        if m != rank and s in ("not_entered", "no_dump"))
+                        if m != rank and s in ("not_entered", "no_dump", "queued"))
         entered = tuple(m for m, s in status.items() if s in ("entered", "completed"))
         waits[rank] = Wait(rank, row, gid, seq, "collective", op, on_coll,
                            {m: status[m] for m in on_coll}, entered, age, detail)
@@ -344,7 +373,6 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
 def _chains(job: JobModel, waits: dict[int, Wait]) -> tuple[dict[int, Root], list[Cycle]]:
     edges = {r: w.on for r, w in waits.items()}
     sccs = _strongly_connected(edges)
-    comp_of = {r: i for i, comp in enumerate(sccs) for r in comp}
     cycles: dict[int, Cycle] = {}
     for i, comp in enumerate(sccs):
         if len(comp) > 1:
@@ -362,31 +390,30 @@ def _chains(job: JobModel, waits: dict[int, Wait]) -> tuple[dict[int, Root], lis
             return "stuck_in_op"
         return "free"
 
-    # Terminal nodes: ranks waited on that wait on nobody, and blocked ranks
-    # with no edges (every peer joined their op: a timeout candidate).
-    ends: dict[int, set[tuple[str, int]]] = {}
-
-    def reach(rank: int, seen: set[int]) -> set[tuple[str, int]]:
-        if rank in ends:
-            return ends[rank]
-        comp = comp_of.get(rank)
-        if comp is not None and comp in cycles:
-            result = {("cycle", comp)}
-        elif rank not in waits or not waits[rank].on:
-            result = {("root", rank)}
-        else:
-            result = set()
-            seen.add(rank)
-            for nxt in waits[rank].on:
-                if nxt in seen:
-                    continue
-                result |= reach(nxt, seen)
-            seen.discard(rank)
-        ends[rank] = result
-        return result
+    # Where each rank's chains end: a cycle, or a terminal node (a rank waited on
+    # that waits on nobody, or a blocked rank with no edges: every peer joined
+    # its op, a timeout candidate). Tarjan emits components in reverse
+    # topological order, so every successor's ends are known when a component
+    # is reached: no recursion (a 2,000-rank chain is one pass).
+    ends: dict[int, frozenset[tuple[str, int]]] = {}
+    for i, comp in enumerate(sccs):
+        if i in cycles:
+            result = frozenset({("cycle", i)})
+            for r in comp:
+                ends[r] = result
+            continue
+        r = comp[0]
+        if r not in waits or not waits[r].on:
+            ends[r] = frozenset({("root", r)})
+            continue
+        acc: set[tuple[str, int]] = set()
+        for nxt in waits[r].on:
+            if nxt != r:
+                acc |= ends[nxt]
+        ends[r] = frozenset(acc)
 
     for rank, wait in waits.items():
-        for end_kind, key in reach(rank, set()):
+        for end_kind, key in ends[rank]:
             if end_kind == "cycle":
                 if rank not in cycles[key].ranks:
                     cycles[key].waiters.add(rank)

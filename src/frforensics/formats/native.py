@@ -265,6 +265,8 @@ class _Context:
         # one row per distinct profiling_name: (op string index, local peer, p2p by name)
         self.op_kinds: list[tuple[int, int, bool]] = []
         self.op_kind = _Memo(self._new_op_kind)
+        # backend prefixes of profiling names ("nccl:all_reduce" -> "nccl")
+        self.backends: set[str] = set()
 
     def group_of(self, name: str, desc: str) -> int:
         i = self.group_index.get(name)
@@ -275,7 +277,10 @@ class _Context:
         return i
 
     def _new_op_kind(self, profiling_name: Any) -> int:
-        name, _self_rank, peer_local = normalize_op(_as_str(profiling_name))
+        text = _as_str(profiling_name)
+        if ":" in text:
+            self.backends.add(text.split(":", 1)[0][:32])
+        name, _self_rank, peer_local = normalize_op(text)
         self.op_kinds.append(
             (self.strings[name], peer_local, name in ("send", "recv", "recv_any_source"))
         )
@@ -636,6 +641,38 @@ class _Header(NamedTuple):
     rank: int | None
     rank_from: str
     config: dict[str, tuple[str, tuple[int, ...] | None]]
+    notes: tuple[str, ...] = ()
+
+
+#: the newest schema this reader was written against (torch 2.13-2.15 write "2.10")
+NEWEST_KNOWN_VERSION: Final = (2, 10)
+_KNOWN_TOP_KEYS: Final = frozenset({
+    "version", "pg_config", "pg_status", "entries", "comm_lib_version", "nccl_version",
+    "nccl_comm_state", "rank",
+})
+_KNOWN_ENTRY_KEYS: Final = frozenset({
+    "record_id", "pg_id", "process_group", "collective_seq_id", "p2p_seq_id", "op_id",
+    "profiling_name", "time_created_ns", "duration_ms", "input_sizes", "input_dtypes",
+    "output_sizes", "output_dtypes", "state", "time_discovered_started_ns",
+    "time_discovered_completed_ns", "retired", "timeout_ms", "is_p2p", "frames", "thread_id",
+    "thread_name", "seq_id",
+})
+
+
+def _version_notes(version: str, unknown: set[str]) -> tuple[str, ...]:
+    """Say when a dump is newer than this reader or has fields it does not know."""
+    notes = []
+    match = re.match(r"^(\d{1,4})\.(\d{1,4})", version)
+    if not match:
+        notes.append(f"schema version {version[:40]!r} not recognized: read as far as possible")
+    elif (int(match[1]), int(match[2])) > NEWEST_KNOWN_VERSION:
+        notes.append(f"schema version {version} is newer than the newest this analyzer knows "
+                     f"({'.'.join(map(str, NEWEST_KNOWN_VERSION))}): read as far as possible")
+    if unknown:
+        names = sorted(str(k)[:40] for k in unknown)
+        notes.append(f"unknown field(s) ignored: {', '.join(names[:8])}"
+                     + (f" (+{len(names) - 8} more)" if len(names) > 8 else ""))
+    return tuple(notes)
 
 
 def _header(
@@ -664,7 +701,12 @@ def _header(
         if not name:
             continue  # gloo writes {'': {name: '', desc: '', ranks: '[]'}}
         config[name] = (_as_str(cfg.get("desc")), _parse_ranks(cfg.get("ranks")))
-    return _Header(_as_str(doc.get("version")), rank, rank_from, config)
+    version = _as_str(doc.get("version"))
+    unknown = {k for k in doc if k not in _KNOWN_TOP_KEYS}
+    entries = doc.get("entries")
+    if not scanned and isinstance(entries, list) and entries and isinstance(entries[0], Mapping):
+        unknown |= {f"entries[].{k}" for k in entries[0] if k not in _KNOWN_ENTRY_KEYS}
+    return _Header(version, rank, rank_from, config, _version_notes(version, unknown))
 
 
 def _detail_rows(cols: _Columns, n: int, detail_tail: int | None) -> Iterable[int]:
@@ -688,6 +730,11 @@ def _assemble(
     fmt: SourceFormat,
 ) -> RankTrace:
     group_tuple = tuple(ctx.groups)
+    if len(ctx.backends) == 1:
+        # the profiling names' prefix says which backend wrote the states
+        # ("nccl": CUDA events queried at dump time; "gloo": retirement only)
+        backend = next(iter(ctx.backends))
+        group_tuple = tuple(GroupInfo(g.name, g.desc, g.ranks, backend) for g in group_tuple)
     op_lut = np.array([k[0] for k in ctx.op_kinds] or [NO_INDEX], dtype=np.int32)
     table = EntryTable.from_columns(
         n,
@@ -724,6 +771,7 @@ def _assemble(
         strings=tuple(ctx.strings.strings),
         stacks=stacks,
         entries=table,
+        notes=header.notes,
     )
 
 

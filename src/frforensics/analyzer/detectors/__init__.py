@@ -15,6 +15,7 @@ from frforensics.analyzer.detectors import (
     cross_pg_deadlock,
     dead_rank,
     dtype_mismatch,
+    incomplete_dump,
     missing_dump,
     missing_rank,
     op_mismatch,
@@ -38,4 +39,5 @@ DETECTORS: list[Callable[[Context], list[Finding]]] = [
     cross_pg_deadlock.detect,
     timeout.detect,
     straggler.detect,
+    incomplete_dump.detect,
 ]

@@ -15,9 +15,11 @@ strongest evidence available, in this order:
    collectives out of order.
 2. *Peer evidence*: when a member entered its blocking op (G, s), how far it
    had got in its own analog of the group the next member is blocked in (same
-   description and size, e.g. its own DP group). Peers that entered seq s of G
-   or of an analog of G show how far one normally is at that point; a member
-   that disagrees with their majority deviates.
+   description and size, e.g. its own DP group). Peers — the ranks of the
+   cycle's groups, i.e. the same pipeline stage, whose groups number their seqs
+   alike — that entered seq s of G or of an analog of G (queued entries count:
+   the ring is issue order) show how far one normally is at that point; a
+   member that disagrees with their majority deviates.
 3. Otherwise the member(s) blocked in the kind of group (description and size)
    the fewest ranks are blocked in (the majority order wins); on a tie every
    member of the cycle is named.
@@ -284,6 +286,9 @@ def _deviants(ctx: Context, waits: list[Wait]) -> set[int]:
     """Cycle members whose progress in the other group disagrees with their peers'."""
     job = ctx.job
     by_rank = {w.rank: w for w in waits}
+    # References: ranks of the cycle's own groups. Analogs elsewhere (another
+    # pipeline stage) number their groups' seqs differently, and outvote them.
+    pool = sorted(set().union(*(job.groups[w.gid].ranks for w in waits)) & set(job.digests))
     out: set[int] = set()
     for w in waits:
         others = set()
@@ -297,7 +302,7 @@ def _deviants(ctx: Context, waits: list[Wait]) -> set[int]:
             if progress is None:
                 continue
             refs = []
-            for q in job.digests:
+            for q in pool:
                 if q == w.rank:
                     continue
                 g_at, g_other = _analog(job, w.gid, q), _analog(job, other, q)

@@ -14,7 +14,7 @@ Worked example (4 ranks, default group)::
 from __future__ import annotations
 
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.detectors._signatures import find_mismatches, mismatch_finding
+from frforensics.analyzer.detectors._signatures import mismatch_finding, mismatches_of
 from frforensics.report import Finding, FindingKind
 
 
@@ -22,6 +22,5 @@ def detect(ctx: Context) -> list[Finding]:
     """One finding per group whose members disagree on a collective's dtype."""
     return [
         mismatch_finding(ctx, m, FindingKind.DTYPE_MISMATCH)
-        for m in find_mismatches(ctx)
-        if m.field == "dtype"
+        for m in mismatches_of(ctx, "dtype")
     ][: ctx.options.max_findings_per_kind]

@@ -1,11 +1,16 @@
 """``timeout``: every member entered a collective, and it never completed.
 
-Rule: a blocked rank that waits on nobody — every member of its group entered
+Rule: a blocked rank that waits on nobody — every member of its group is *in*
 the same seq — is stuck *inside* the op: a network, NCCL or device fault, or a
-kernel that never ran. The least advanced members (still ``scheduled`` while
-others ``started``; unfinished while others completed) are the culprits; when
-all are equally stuck every member is named and the message says the fault is
-below the framework. The elapsed time is compared with the op's ``timeout_ms``
+kernel that never ran. A member is in an op only where it is really blocked
+(its earliest unfinished op) or where the op's kernel ``started`` (NCCL); a
+member holding the op only as a queued entry is waited for instead
+(``analyzer.waits``), so this rule never fires for it. The least advanced
+members (still ``scheduled`` while others ``started``; ``started`` while others
+completed — a kernel that never finished on that rank) are the culprits. Only
+when every member started the op (NCCL), or, in dumps with no GPU state
+(gloo), every member is blocked in it, are all named and the message says the
+fault is below the framework. The elapsed time is compared with the op's ``timeout_ms``
 where the dump time is known. Collectives already reported as mismatched are
 not reported again. Severity error, status hang.
 
@@ -47,9 +52,10 @@ def detect(ctx: Context) -> list[Finding]:
         for w in waits:
             states[w.rank] = w.detail.state if w.detail is not None else OpState.SCHEDULED
         for member in ctx.job.groups[gid].ranks:
-            if member not in states and member in ctx.job.digests \
-                    and ctx.job.entered(member, gid, seq, issued_ns=0) == "completed":
-                states[member] = OpState.COMPLETED
+            if member not in states and member in ctx.job.digests:
+                state = ctx.job.state_in(member, gid, seq)
+                if state is not None:
+                    states[member] = state
         wait = waits[0]
         ages = [w.age_s for w in waits if w.age_s is not None]
         timeout_ms = max((w.detail.timeout_ms for w in waits if w.detail is not None), default=0)
@@ -79,6 +85,12 @@ def detect(ctx: Context) -> list[Finding]:
             msg = (f"rank(s) {ctx.ranks(late)} entered {ctx.describe(wait)} {spread:.1f} s after "
                    f"the first member, past its timeout of {timeout_ms / 1000:g} s: ranks "
                    f"{ctx.ranks(waiting)} had waited and failed by then ({clock})")
+        elif OpState.COMPLETED in states.values():
+            done = sorted(r for r, s in states.items() if s == OpState.COMPLETED)
+            msg = (f"{ctx.describe(wait)} never finished on rank(s) {ctx.ranks(culprits)}: its "
+                   f"kernel {lowest.name.lower()} there while ranks {ctx.ranks(done)} completed "
+                   f"it and moved on ({clock}); the fault is below the framework on "
+                   f"{'that rank' if len(culprits) == 1 else 'those ranks'} (GPU, NCCL or network)")
         elif distinguishable:
             msg = (f"every member entered {ctx.describe(wait)} but it never completed ({clock}); "
                    f"rank(s) {ctx.ranks(culprits)} are the least advanced "

@@ -1,0 +1,114 @@
+"""Signature pass: compare every group's collectives across its members.
+
+Computed once, before the detectors (which only read it): for every process
+group, every member's collectives are reduced to one row per seq (a coalesced
+unit's entries are combined), all members' rows are sorted by seq, and each seq
+whose members disagree on op, dtype or size is a mismatch. Only the *first*
+mismatched seq of a group is kept per field: after one rank desyncs, every later
+seq compares different calls. A ring that evicted entries may have cut its
+oldest coalesced block in two, so a rank's oldest seq in such a window is not
+compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from frforensics.analyzer.merge import JobModel
+
+Field = Literal["op", "dtype", "size"]
+
+__all__ = ["Field", "Mismatch", "find_mismatches", "units"]
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """Members disagree at one seq of one group."""
+
+    gid: int
+    seq: int
+    field: Field
+    values: dict[int, str]  # rank -> what it used (op name, dtype, numel)
+    later: int  # how many later seqs of the group also mismatch on this field
+    raw: dict[int, int]  # rank -> the compared value (hash or numel)
+
+
+def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ...] | None:
+    view = job.view(rank, gid)
+    if view is None or len(view.coll_rows) == 0:
+        return None
+    d = job.digests[rank]
+    rows = view.coll_rows
+    if job.window_evicted(rank) and view.max_seq > view.min_seq:
+        rows = rows[d.seq[rows] != view.min_seq]  # possibly a block cut in two
+    seq = d.seq[rows]
+    op = d.op_hash[rows].astype(np.int64)
+    dtype = d.dtype_hash[rows].astype(np.int64)
+    size = d.size[rows]
+    order = np.argsort(seq, kind="stable")
+    seq, op, dtype, size = seq[order], op[order], dtype[order], size[order]
+    starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    if len(starts) != len(seq):  # coalesced units: combine their entries
+        # order-aware sum (the k-th entry weighted 2k+1): XOR would cancel two
+        # members with the same op or dtype, hiding a rank whose block is all Float
+        # where its peers' is all BFloat16; one-entry units keep their own hash
+        pos = np.arange(len(seq)) - np.repeat(starts, np.diff(np.r_[starts, len(seq)]))
+        weight = (2 * pos + 1).astype(np.uint64)
+        op = np.add.reduceat(op.astype(np.uint64) * weight, starts).view(np.int64)
+        dtype = np.add.reduceat(dtype.astype(np.uint64) * weight, starts).view(np.int64)
+        unchecked = np.minimum.reduceat(size, starts) < 0
+        size = np.where(unchecked, -1, np.add.reduceat(size, starts))
+        seq = seq[starts]
+    ranks = np.full(len(seq), rank, dtype=np.int64)
+    return seq, ranks, op, dtype, size
+
+
+def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
+    """Every group's first mismatch per field (op, then size, then dtype)."""
+    found: list[Mismatch] = []
+    for group in job.groups:
+        parts = [u for r in group.ranks if r in job.digests
+                 if (u := units(job, r, group.gid)) is not None]
+        if len(parts) < 2:
+            continue
+        seq, ranks, op, dtype, size = (np.concatenate(col) for col in zip(*parts, strict=True))
+        order = np.argsort(seq, kind="stable")
+        seq, ranks, op, dtype, size = seq[order], ranks[order], op[order], dtype[order], size[order]
+        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+        multi = np.diff(np.r_[starts, len(seq)]) > 1
+        bad_op = multi & (np.maximum.reduceat(op, starts) != np.minimum.reduceat(op, starts))
+        # PyTorch's analyzer's order: op, then size, then dtype.
+        checked = np.where(size < 0, np.iinfo(np.int64).min, size)
+        sized = np.minimum.reduceat(size, starts) >= 0
+        bad_size = multi & ~bad_op & sized & (
+            np.maximum.reduceat(checked, starts) != np.minimum.reduceat(checked, starts))
+        bad_dtype = multi & ~bad_op & ~bad_size & (
+            np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
+        for name, bad, column in (("op", bad_op, op), ("dtype", bad_dtype, dtype),
+                                  ("size", bad_size, size)):
+            hits = np.flatnonzero(bad)
+            if len(hits) == 0:
+                continue
+            first = int(hits[0])
+            lo = int(starts[first])
+            hi = int(starts[first + 1]) if first + 1 < len(starts) else len(seq)
+            raw = {int(r): int(v) for r, v in zip(ranks[lo:hi], column[lo:hi], strict=True)}
+            values = {r: _render(job, name, r, v) for r, v in raw.items()}
+            found.append(Mismatch(group.gid, int(seq[lo]), name,  # type: ignore[arg-type]
+                                  values, len(hits) - 1, raw))
+    return tuple(found)
+
+
+def _render(job: JobModel, name: str, rank: int, value: int) -> str:
+    d = job.digests[rank]
+    if name == "size":
+        return f"{value} elements"
+    if name == "op":
+        return d.op_names.get(value, f"op#{value:x}")
+    return f"dtype#{value:x}"
+
+
