@@ -145,6 +145,8 @@ class Recorder:
         self.main_ident = threading.main_thread().ident
         self.flag_seen: str | None = None
         self.flag_raised = False
+        # The flag of the current incident (``rearm()`` opens the next one).
+        self.flag_key = FLAG_KEY
         # Called with each new group (the API starts the watchdog on the first).
         self.group_listeners: list[Callable[[GroupState], None]] = []
         # Called once the store client is attached (the watchdog wakes up).
@@ -237,7 +239,7 @@ class Recorder:
         self.flag_raised = True
         try:
             text = json.dumps(payload, sort_keys=True)
-            current = _text(store.compare_set(FLAG_KEY, "", text))
+            current = _text(store.compare_set(self.flag_key, "", text))
             won = current == text
             self.flag_seen = text if won else current
             return won
@@ -250,9 +252,9 @@ class Recorder:
         store = self.store
         if store is None or self.store_dead:
             return None
-        if not store.check([FLAG_KEY]):
+        if not store.check([self.flag_key]):
             return None
-        return _text(store.get(FLAG_KEY))
+        return _text(store.get(self.flag_key))
 
     def heartbeat(self) -> None:
         if self.store is not None and self.rank is not None and not self.store_dead:
