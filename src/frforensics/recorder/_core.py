@@ -153,7 +153,9 @@ class Recorder:
         self.store_listeners: list[Callable[[], None]] = []
         # Why groups are created unrecorded (a failed probe), for the dump notes.
         self.unrecorded: list[str] = []
-        self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
+        # c10d's PrefixStore joins prefix and key with "/": keys are
+        # "frforensics/<restart>/dump_flag", "frforensics/<restart>/hb/<rank>", ...
+        self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.resolution_ns = int(config.poll_interval_s * 1e9)
 
     # ------------------------------------------------------------ hot-path helpers
