@@ -9,6 +9,7 @@ traceback).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 import typer
 
 from frforensics import __version__
-from frforensics.errors import FrForensicsError, UsageError
+from frforensics.errors import FrForensicsError, OutputError, UsageError
+from frforensics.formats.limits import DEFAULT_LIMITS
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -43,16 +45,46 @@ class Format(str, Enum):
 
 
 def _stderr(message: str) -> None:
-    print(f"fr-analyze: {message}", file=sys.stderr)
+    from frforensics.reporting._escape import printable
+
+    print(f"fr-analyze: {printable(message)}", file=sys.stderr)
+
+
+def _cannot_write(path: Path, exc: OSError) -> OutputError:
+    return OutputError(f"{path}: cannot write ({exc.strerror or exc}); "
+                       "choose another output path")
+
+
+def _check_output_file(output: Path) -> None:
+    """Fail before the work when ``output`` can never be written (a folder)."""
+    if output.is_dir():
+        raise OutputError(f"{output}: is a folder; name a file to write")
+
+
+def _check_output_dir(output_dir: Path) -> None:
+    """Fail before the work when ``output_dir`` can never hold the reports."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputError(f"{output_dir}: exists and is not a folder; name a folder for --output-dir")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cannot_write(output_dir, exc) from None
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise OutputError(f"{output_dir}: folder is not writable; choose another --output-dir")
 
 
 def _write(text: str, output: Path | None) -> None:
     if output is None:
         sys.stdout.write(text)
         sys.stdout.flush()
-    else:
+        return
+    _check_output_file(output)
+    try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text, encoding="utf-8")
+        with open(output, "w", encoding="utf-8") as fh:  # close() reports a full disk
+            fh.write(text)
+    except OSError as exc:
+        raise _cannot_write(output, exc) from None
 
 
 @app.command()
@@ -63,11 +95,13 @@ def analyze(
     output_dir: Annotated[Path | None, typer.Option(
         "--output-dir", help="Write every format (and the timeline) into this folder, for CI.")] = None,
     world_size: Annotated[int | None, typer.Option(
-        "--world-size", min=1, help="The job's world size (native dumps do not record it).")] = None,
+        "--world-size", min=1, max=DEFAULT_LIMITS.max_rank,
+        help="The job's world size (native dumps do not record it).")] = None,
     prefix: Annotated[str | None, typer.Option(
         "--prefix", "-p", help="Only files named <prefix><rank> (e.g. nccl_trace_rank_).")] = None,
     jobs: Annotated[int | None, typer.Option(
-        "--jobs", "-j", min=1, help="Decode with this many processes (default: all cores).")] = None,
+        "--jobs", "-j", min=1,
+        help="Decode with this many processes (default and most: the machine's cores).")] = None,
     hang_after: Annotated[float, typer.Option(
         "--hang-after", min=0.0, help="Ops unfinished for less than this many seconds at dump "
         "time count as in flight, not hung.")] = 1.0,
@@ -79,6 +113,10 @@ def analyze(
     from frforensics.analyzer import analyze as run_analysis
     from frforensics.reporting import render
 
+    if output is not None:
+        _check_output_file(output)
+    if output_dir is not None:
+        _check_output_dir(output_dir)
     show_progress = progress and fmt is not Format.json and _stderr_is_terminal()
     dumps = _with_progress(
         lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb),
@@ -89,7 +127,10 @@ def analyze(
     if output_dir is not None:
         from frforensics.reporting import write_all
 
-        write_all(report, output_dir, dump_paths=[str(p) for p in paths], prefix=prefix)
+        try:
+            write_all(report, output_dir, dump_paths=[str(p) for p in paths], prefix=prefix)
+        except OSError as exc:
+            raise _cannot_write(output_dir, exc) from None
     if fmt is Format.text and output is None:
         from frforensics.reporting import text
 
@@ -108,10 +149,11 @@ def convert(
 ) -> None:
     """Convert dumps of any format into frforensics' compact frdump format."""
     from frforensics.analyzer.convert import convert_dumps
+    from frforensics.reporting._escape import printable
 
     result = convert_dumps([str(p) for p in src], dst, prefix=prefix, jobs=jobs)
     for label, error in result.failed:
-        print(f"skipped {label}: {error}", file=sys.stderr)
+        print(printable(f"skipped {label}: {error}"), file=sys.stderr)
     print(f"wrote {len(result.written)} frdump file(s) to {dst}"
           + (f"; skipped {len(result.failed)}" if result.failed else ""))
     raise typer.Exit(0 if result.written else 2)
@@ -128,22 +170,29 @@ def timeline(
         "--progress/--no-progress", help="Progress bar on a terminal.")] = True,
 ) -> None:
     """Export every rank's ops as a Chrome-trace / Perfetto timeline (stuck ops marked)."""
+    from frforensics.formats import read_sources
+    from frforensics.reporting._escape import printable
     from frforensics.reporting.timeline import write_timeline
 
-    output.parent.mkdir(parents=True, exist_ok=True)
+    _check_output_file(output)
     tmp = output.with_name(f".{output.name}.tmp")
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as fh:
             summary = _with_progress(
-                lambda cb: write_timeline([str(p) for p in paths], fh, prefix=prefix, progress=cb),
+                lambda cb: write_timeline(read_sources([str(p) for p in paths], prefix=prefix),
+                                          fh, progress=cb),
                 enabled=progress and _stderr_is_terminal(),
                 what="reading dumps",
             )
         os.replace(tmp, output)
+    except OSError as exc:  # reading never raises OSError (those are load problems)
+        raise _cannot_write(output, exc) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     for label, error in summary.problems[:20]:
-        print(f"skipped {label}: {error}", file=sys.stderr)
+        print(printable(f"skipped {label}: {error}"), file=sys.stderr)
     if len(summary.problems) > 20:
         print(f"... and {len(summary.problems) - 20} more", file=sys.stderr)
     print(f"wrote {output}: {len(summary.ranks)} rank(s), {summary.events} events, "
@@ -261,6 +310,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(exc.exit_code)
     except (UsageError, FrForensicsError) as exc:
         _stderr(str(exc))
+        sys.exit(2)
+    except MemoryError:
+        _stderr("out of memory (see docs/security.md for the limits; try fewer --jobs)")
         sys.exit(2)
     except typer.Abort:
         sys.exit(130)

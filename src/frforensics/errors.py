@@ -7,8 +7,10 @@
     │   ├── NotADumpError            the bytes are no flight-recorder dump we know
     │   ├── CorruptDumpError         a dump we know, but truncated or malformed
     │   ├── UnsafeDumpError          a pickle that asks for code (globals, reduce)
-    │   └── UnsupportedVersionError  written by a newer format than this reader knows
+    │   ├── UnsupportedVersionError  written by a newer format than this reader knows
+    │   └── LimitExceededError       past a documented budget (formats/limits.py)
     └── UsageError                   the caller asked for something impossible
+        └── OutputError              an output path cannot be written
 
 A ``DumpError`` never aborts an analysis: the loader turns it into a load problem
 of the report and goes on with the other ranks. Messages are one line: what, where,
@@ -42,5 +44,13 @@ class UnsupportedVersionError(DumpError):
     """A dump written by a newer format version than this reader understands."""
 
 
+class LimitExceededError(DumpError):
+    """A dump or archive goes past one of the limits in ``formats/limits.py``."""
+
+
 class UsageError(FrForensicsError):
     """Bad arguments or options (exit code 2)."""
+
+
+class OutputError(UsageError):
+    """An output file or folder cannot be written (exit code 2)."""

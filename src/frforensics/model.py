@@ -272,6 +272,10 @@ class RankTrace:
     stale_peers: tuple[PeerHeartbeat, ...] = ()
     death: DeathInfo | None = None
     notes: tuple[str, ...] = field(default=())
+    #: ops the rank issued that its dump does not record: PyTorch's gloo recorder
+    #: skips send/recv, yet ``pg_status.last_enqueued_collective`` counts them
+    #: (0: none, or unknown)
+    unrecorded_ops: int = 0
     #: physical identity of the rank (orchestrators act on it): ``LOCAL_RANK``,
     #: the CUDA device index it used, that GPU's UUID and PCI bus id; ``None``
     #: where unknown (CPU jobs, older dumps, native dumps)

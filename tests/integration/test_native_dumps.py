@@ -63,7 +63,11 @@ def test_native_gloo_dumps_give_the_hand_written_verdict(scenario: str, fmt: str
     for sets in expected.get("acceptable_culprit_sets", []):
         alternatives.append({"kind": kind, "culprit_ranks": sets})
     assert any(_matches(report, alt) for alt in alternatives), report["findings"]
-    assert report["culprit_ranks"][0] in {r for alt in alternatives for r in alt["culprit_ranks"]}
+    named = {r for alt in alternatives for r in alt["culprit_ranks"]}
+    if named:
+        assert report["culprit_ranks"][0] in named
+    else:  # the dumps cannot tell the root: nothing may be named
+        assert report["culprit_ranks"] == []
 
 
 def test_torchfrtrace_layout_with_prefix_and_no_world_size() -> None:

@@ -125,3 +125,29 @@ def test_a_failed_op_followed_by_more_ops_stays_failed(run_job):
     assert "ERRORS 3" in (job.log_dir / "rank0.log").read_text(), job.logs()
     e = job.decode(0).entries
     assert [int(s) for s in e.state] == [int(OpState.COMPLETED)] + [int(OpState.FAILED)] * 3
+
+
+FORKED_CHILD = """
+t = torch.ones(4)
+dist.all_reduce(t)
+pid = os.fork()
+if pid == 0:  # a DataLoader-like worker: inherits the recorder, then is terminated
+    time.sleep(30)
+    os._exit(0)
+time.sleep(0.5)
+os.kill(pid, signal.SIGTERM)
+_, status = os.waitpid(pid, 0)
+time.sleep(1.0)  # the parent's watchdog would have acted on a stray wakeup byte by now
+dist.all_reduce(t)
+print("CHILD", os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM,
+      "DUMPS", sorted(os.listdir(DUMP_DIR)), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_killed_by_sigterm_neither_dumps_nor_kills_its_parent(run_job):
+    job = run_job("import signal\n" + FORKED_CHILD, world_size=1, deadline_s=60.0)
+    assert job.wait(60) == [0], job.logs()
+    log = (job.log_dir / "rank0.log").read_text()
+    assert "CHILD True DUMPS []" in log, log

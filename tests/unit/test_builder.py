@@ -6,6 +6,7 @@ import json
 import pickle
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -311,3 +312,155 @@ def test_expected_json_is_plain_data() -> None:
     from dataclasses import asdict
 
     assert json.loads(json.dumps(asdict(d.expected)))["culprit_ranks"] == [1]
+
+
+# ------------------------------------------------------------------ NCCL mode
+
+
+def nccl_job(**kw: object) -> JobBuilder:
+    """A small 3-D job (tp=2, pp=2, dp=2) in NCCL mode."""
+    seed = int(kw.pop("seed", 0))  # type: ignore[call-overload]
+    return (JobBuilder(tp=2, pp=2, dp=2, ring_size=int(kw.pop("ring_size", 2000)), seed=seed)  # type: ignore[call-overload]
+            .schedule(micro_batches=3, layers_per_stage=1, log_interval=2)
+            .steps(4)
+            .nccl(**kw))  # type: ignore[arg-type]
+
+
+def _blocks(entries: list[dict[str, Any]]) -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """(members, closing entry) of every coalesced block, in record order."""
+    out: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
+    for i, e in enumerate(entries):
+        if e["profiling_name"] != "nccl:coalesced":
+            continue
+        j = i
+        while j > 0 and all(entries[j - 1][k] == e[k] for k in ("process_group", "collective_seq_id", "p2p_seq_id")):
+            j -= 1
+        out.append((entries[j:i], e))
+    return out
+
+
+def test_nccl_coalesced_members_stay_scheduled_and_the_closing_entry_carries_the_block() -> None:
+    d = nccl_job(coalesce_dp="members", timing=True).build()
+    for r in (0, 5):
+        entries = d.native_doc(r)["entries"]
+        blocks = _blocks(entries)
+        assert any(m[0]["is_p2p"] for m, _ in blocks) and any(not m[0]["is_p2p"] for m, _ in blocks)
+        for members, closing in blocks:
+            assert members
+            for m in members:
+                assert m["state"] == "scheduled" and m["retired"] is False
+                assert m["time_discovered_started_ns"] is None and m["time_discovered_completed_ns"] is None
+                assert "duration_ms" not in m
+                assert (m["collective_seq_id"], m["p2p_seq_id"]) == (closing["collective_seq_id"], closing["p2p_seq_id"])
+            assert closing["op_id"] == members[-1]["op_id"]
+            assert [m["op_id"] for m in members] == list(range(int(members[0]["op_id"]), int(closing["op_id"]) + 1))
+            assert closing["is_p2p"] is False
+            assert closing["input_sizes"] == [] and closing["output_dtypes"] == []
+            assert closing["state"] == "completed" and closing["retired"] is True
+            assert isinstance(closing["duration_ms"], float)
+            assert closing["record_id"] == members[-1]["record_id"] + 1
+        # one p2p seq per batch, one collective seq per DP block
+        p2p_closings = [c["p2p_seq_id"] for m, c in blocks if m[0]["is_p2p"]]
+        assert p2p_closings == list(range(p2p_closings[0], p2p_closings[0] + len(p2p_closings)))
+
+
+def test_nccl_fused_dp_block_is_one_coalesced_collective_entry() -> None:
+    d = nccl_job(coalesce_dp="fused").build()
+    entries = d.native_doc(0)["entries"]
+    fused = [e for e in entries if e["profiling_name"] == "nccl:reduce_scatter_tensor_coalesced"]
+    assert fused and all(len(e["input_sizes"]) == 2 and e["state"] == "completed" for e in fused)
+    assert not any(e["profiling_name"] == "nccl:_reduce_scatter_base" for e in entries)
+    seqs = [e["collective_seq_id"] for e in entries if e["process_group"][1] == "DATA_PARALLEL_GROUP"]
+    assert seqs == sorted(set(seqs))
+
+
+def test_nccl_without_timing_never_reads_started() -> None:
+    d = nccl_job(timing=False, run_ahead=(3, 3)).stuck(rank=1, step=3).build()
+    for r in d.native_ranks:
+        doc = d.native_doc(r)
+        assert all(e["state"] != "started" and e["time_discovered_started_ns"] is None for e in doc["entries"])
+        assert all("duration_ms" not in e for e in doc["entries"])
+        assert all(v["last_started_collective"] == -1 for v in doc["pg_status"].values())
+
+
+def test_nccl_blocked_rank_has_queued_ops_after_its_blocked_op() -> None:
+    d = nccl_job(timing=True, run_ahead=(4, 4)).stuck(rank=1, step=3).build()
+    blocked = {r: (kind, seq) for r, _, _, kind, seq in d.expected.blocked}
+    assert 1 not in blocked and blocked
+    for r in blocked:
+        entries = [e for e in d.native_doc(r)["entries"] if not _is_member(e)]
+        first = next(i for i, e in enumerate(entries) if e["state"] != "completed")
+        assert entries[first]["state"] == "started"
+        queued = entries[first + 1:]
+        # the CPU ran 3 instructions past the blocked one (fewer if the program ended)
+        assert len(queued) <= 3 and all(e["state"] == "scheduled" and not e["retired"] for e in queued)
+        assert all(e["time_created_ns"] <= entries[first]["time_discovered_started_ns"] for e in queued)
+
+
+def _is_member(e: dict[str, Any]) -> bool:
+    """A coalesced member (p2p batches; DP buckets with ``coalesce_dp="members"``)."""
+    return bool(e["is_p2p"]) or (e["process_group"][1] == "DATA_PARALLEL_GROUP" and e["profiling_name"]
+                                 in ("nccl:_reduce_scatter_base", "nccl:_all_gather_base"))
+
+
+def test_nccl_kernel_hang_completes_on_peers_who_then_block_on_the_hung_rank() -> None:
+    d = nccl_job(timing=True).timeout(30_000).kernel_hang(rank=3, step=2, group="tp", index=1).build()
+    exp = d.expected
+    assert exp.kind == "timeout" and exp.culprit_ranks == (3,) and exp.group is not None
+    blocked = {r: (name, kind, seq) for r, name, _, kind, seq in exp.blocked}
+    assert blocked[3] == (exp.group.name, "collective", exp.seq)
+    hung = [e for e in d.native_doc(3)["entries"]
+            if e["process_group"][0] == exp.group.name and e["collective_seq_id"] == exp.seq]
+    assert [e["state"] for e in hung] == ["started"]
+    peer = next(r for r in exp.group.ranks if r != 3)
+    done = [e for e in d.native_doc(peer)["entries"]
+            if e["process_group"][0] == exp.group.name and e["collective_seq_id"] == exp.seq]
+    assert [e["state"] for e in done] == ["completed"]
+    assert blocked[peer] != blocked[3]
+    assert d.dump_time_ns(3) - hung[0]["time_created_ns"] > 30_000 * 1_000_000
+
+
+def test_nccl_send_send_blocks_both_ranks_in_a_send() -> None:
+    d = nccl_job().p2p_send_send(rank=2, step=2).build()
+    exp = d.expected
+    assert exp.kind == "p2p_deadlock" and exp.culprit_ranks == (2, 6)
+    blocked = {r: kind for r, _, _, kind, _ in exp.blocked}
+    assert blocked[2] == blocked[6] == "p2p"
+    for r in (2, 6):
+        entries = d.native_doc(r)["entries"]
+        closing = next(i for i, e in enumerate(entries)
+                       if e["profiling_name"] == "nccl:coalesced" and e["state"] != "completed")
+        assert entries[closing - 1]["profiling_name"].startswith("nccl:send")
+        assert not entries[closing - 2]["is_p2p"] or entries[closing - 2]["state"] == "scheduled"
+
+
+def test_nccl_json_has_no_frames_zero_times_and_string_status() -> None:
+    d = nccl_job(timing=True).stuck(rank=1, step=3).build()
+    doc = json.loads(JobDumps.native_json(d.native_doc(0)))
+    assert all("frames" not in e for e in doc["entries"])
+    assert any(e["time_discovered_completed_ns"] == 0 for e in doc["entries"])
+    assert all(isinstance(v, str) for s in doc["pg_status"].values() for v in s.values())
+    assert doc["nccl_comm_state"] == {}
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "json"])
+def test_nccl_pickle_and_json_decode_to_the_same_entries(fmt: str) -> None:
+    d = nccl_job(timing=True, ring_size=60).stuck(rank=4, step=3, after=5).build()
+    for r in (0, 5):
+        a = decode_dump(d.native_bytes(r, "pickle"), source="a", rank_hint=r)
+        b = decode_dump(d.native_bytes(r, fmt), source="b", rank_hint=r)  # type: ignore[arg-type]
+        va, vb = _column_views(a), _column_views(b)
+        for col in va:
+            assert va[col] == vb[col], (r, col)
+        assert len(a.entries) == 60 and a.entries.record_id[0] > 0  # the ring evicted
+
+
+def test_nccl_healthy_job_retires_every_work_and_leaves_only_members_scheduled() -> None:
+    d = nccl_job(timing=True, run_ahead=(1, 6)).build()
+    assert d.expected.status == "healthy" and d.expected.blocked == ()
+    for r in d.native_ranks:
+        for e in d.native_doc(r)["entries"]:
+            if _is_member(e):
+                assert e["state"] == "scheduled" and not e["retired"]
+            else:
+                assert e["state"] == "completed" and e["retired"]

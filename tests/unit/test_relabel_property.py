@@ -46,7 +46,8 @@ def test_culprits_follow_relabelling_and_survive_rotated_windows(
         (moved / f"nccl_trace_rank_{perm[rank]}").write_bytes(pickle.dumps(rotated))
     status, culprits, findings = _verdict(base)
     status2, culprits2, findings2 = _verdict(moved)
-    assert culprits, "a faulty scenario must name a culprit"
+    # p2p: gloo hides send/recv, so the dumps cannot tell the root (none is named)
+    assert bool(culprits) == (scenario != "p2p"), culprits
     assert status2 == status
     assert culprits2 == [perm[r] for r in culprits]
     assert [(k, s) for k, _, s in findings2] == [(k, s) for k, _, s in findings]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from frforensics.analyzer import analyze, load_dumps
-from frforensics.formats import decode_dump
+from frforensics.formats import decode_dump, read_sources
 from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.report import (
     Finding,
@@ -257,7 +257,7 @@ def test_timeline_puts_overlapping_ops_of_one_group_on_separate_lanes() -> None:
 
 def test_timeline_of_native_dumps_is_valid_chrome_trace_json() -> None:
     buf = io.StringIO()
-    summary = write_timeline([DATA / "cross_group" / "pickle"], buf)
+    summary = write_timeline(read_sources([DATA / "cross_group" / "pickle"]), buf)
     doc = json.loads(buf.getvalue())
     assert summary.ranks == [0, 1, 2, 3] and summary.stuck == 4
     events = doc["traceEvents"]
@@ -279,7 +279,7 @@ def test_timeline_reports_bad_files_and_goes_on(tmp_path: Path) -> None:
         (tmp_path / f.name).write_bytes(f.read_bytes())
     (tmp_path / "nccl_trace_rank_9").write_bytes(b"\x80\x04garbage")
     buf = io.StringIO()
-    summary = write_timeline([tmp_path], buf)
+    summary = write_timeline(read_sources([tmp_path]), buf)
     assert summary.ranks == [0, 1, 2, 3]
     assert [p for p, _ in summary.problems] == [str(tmp_path / "nccl_trace_rank_9")]
     assert json.loads(buf.getvalue())["otherData"]["problems"]

@@ -8,6 +8,8 @@ Never imports torch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from frforensics._gc import gc_paused
 from frforensics.analyzer.actions import derive_actions
 from frforensics.analyzer.context import AnalyzeOptions, Context
@@ -72,6 +74,7 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     for detector in DETECTORS:
         findings.extend(detector(ctx))
     findings = _explained_by_desync(findings)
+    findings = _hidden_p2p_roots(ctx, findings)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
     notes = list(job.notes)
@@ -170,6 +173,39 @@ def _explained_by_desync(findings: list[Finding]) -> list[Finding]:
             continue
         kept.append(f)
     return kept
+
+
+def _hidden_p2p_roots(ctx: Context, findings: list[Finding]) -> list[Finding]:
+    """Never name a rank that may only be blocked in a send/recv the dumps do not show.
+
+    PyTorch's gloo recorder skips send/recv: a rank blocked in a pipeline recv
+    looks idle, exactly like a rank stuck in Python. A ``missing_rank`` culprit
+    that issued such unrecorded ops (``RankDigest.unrecorded_ops``) is therefore
+    uncertain. Where another error finding names certain culprits, the uncertain
+    ones are dropped (they are most likely that fault's waiters); otherwise they
+    stay, with no culprit named, their ranks listed as candidates.
+    """
+    def uncertain(f: Finding) -> bool:
+        return f.kind is FindingKind.MISSING_RANK and any(
+            ctx.job.digests[r].unrecorded_ops > 0 for r in f.culprit_ranks
+            if r in ctx.job.digests)
+
+    shaky = [f for f in findings if uncertain(f)]
+    if not shaky:
+        return findings
+    certain = [f for f in findings if f.severity is Severity.ERROR and not uncertain(f)
+               and f.culprit_ranks]
+    if certain:
+        return [f for f in findings if not uncertain(f)]
+    candidates = sorted({r for f in shaky for r in f.culprit_ranks})
+    lead = (f"no culprit named (gloo dumps do not record send/recv, and rank(s) "
+            f"{ctx.ranks(candidates)} issued some: each may be blocked in one, waiting for "
+            "another, so the dumps cannot tell which of them is the root; candidates in "
+            "evidence.candidates): ")
+    return [replace(f, culprit_ranks=(), message=lead + f.message,
+                    evidence={**f.evidence, "candidates": candidates,
+                              "hidden_p2p": True}) if uncertain(f) else f
+            for f in findings]
 
 
 def _culprits(findings: list[Finding]) -> tuple[int, ...]:

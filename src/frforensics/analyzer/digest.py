@@ -174,6 +174,8 @@ class RankDigest:
     #: the dump shows GPU progress (a ``started`` entry or a discovered start
     #: time: NCCL's CUDA events); gloo dumps never do
     gpu_states: bool = False
+    #: ops the dump does not record (gloo's send/recv, from ``pg_status``)
+    unrecorded_ops: int = 0
     # physical identity (model.RankTrace); None where unknown
     local_rank: int | None = None
     cuda_device: int | None = None
@@ -428,6 +430,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         numel=np.ascontiguousarray(e.in_numel),
         unit=unit,
         gpu_states=gpu_states,
+        unrecorded_ops=trace.unrecorded_ops,
         local_rank=trace.local_rank,
         cuda_device=trace.cuda_device,
         gpu_uuid=trace.gpu_uuid,

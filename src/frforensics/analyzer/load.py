@@ -1,16 +1,29 @@
-"""Find dump files, decode them in parallel, and assign ranks.
+"""Find dump files, decode them in parallel, and digest them for analysis.
 
-Inputs are files, directory trees, or ``.tar``/``.tar.gz``/``.tgz``/``.zip``
-archives of them, whatever the file names: the format is sniffed from content.
-The rank comes from the dump's content when it carries one (our frdump), else
-from the file name's trailing integer (``nccl_trace_rank_3``,
-``node07-nccl_trace_rank_3.pkl``, torchft's ``..._quorum_7/3``); ``prefix``
-narrows the files to ``<prefix><rank>``.
+Everything about files — discovery, archives, limits, sniffing, the rank from
+the name, the single place where a decoder's exception becomes a load problem —
+is :mod:`frforensics.formats.sources` (``read_sources``); this module runs it in
+worker processes and keeps each rank's :class:`RankDigest`.
 
-In a directory walk, a file that is no dump in any format and carries no rank
-number in its name (a README, an expected.json) is skipped quietly; every other
-failure is a :class:`~frforensics.report.LoadProblem` and the other ranks are
-still analyzed.
+Library API for distributed loaders (e.g. Dask workers on other hosts)::
+
+    digest_paths(paths: Sequence[str], *, prefix: str | None = None,
+                 limits: Limits = DEFAULT_LIMITS, tail: int = DEFAULT_TAIL,
+                 ) -> list[RankDigest | LoadProblem]
+        # on the worker: every dump under these *local* paths (files,
+        # directories, archives), digested; never raises for a bad file
+        # (a path that does not exist at all raises UsageError)
+
+    digest_source(source: DumpSource, *, prefix=None, limits=DEFAULT_LIMITS,
+                  tail=DEFAULT_TAIL) -> RankDigest | LoadProblem | Skipped
+        # one candidate found by formats.sources.discover
+
+    assemble(items: Iterable[RankDigest | LoadProblem | Skipped]) -> DumpSet
+        # on the driver: duplicates and companions settled, as load_dumps does
+
+Both results pickle small (a digest keeps the tail of the ring, not every
+entry). ``load_dumps`` is ``assemble`` over ``digest_source`` in a local
+process pool.
 """
 
 from __future__ import annotations
@@ -18,37 +31,38 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
-import re
-import tarfile
-import zipfile
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, ProcessPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Final
 
 from frforensics._gc import gc_paused
 from frforensics.analyzer.digest import DEFAULT_TAIL, RankDigest, digest
-from frforensics.errors import DumpError, NotADumpError, UsageError
-from frforensics.formats import decode_dump, native, sniff_format
-from frforensics.model import GroupInfo, RankTrace, SourceFormat
+from frforensics.formats.limits import DEFAULT_LIMITS, Limits
+from frforensics.formats.sources import (
+    DumpSource,
+    Skipped,
+    discover,
+    rank_from_name,
+    read_source,
+    settle_duplicate,
+)
+from frforensics.model import GroupInfo
 from frforensics.report import LoadProblem
 
-__all__ = ["DumpSet", "DumpSource", "discover", "load_dumps", "rank_from_name"]
+__all__ = [
+    "DumpSet",
+    "DumpSource",
+    "assemble",
+    "digest_paths",
+    "digest_source",
+    "discover",
+    "load_dumps",
+    "rank_from_name",
+]
 
-MAX_DUMP_BYTES: Final = 4 << 30
-_TRAILING_INT: Final = re.compile(r"(\d+)(?:\.[A-Za-z][A-Za-z0-9]*)*$")
-_ARCHIVE_SUFFIXES: Final = (".tar", ".tar.gz", ".tgz", ".zip")
-
-
-@dataclass(frozen=True, slots=True)
-class DumpSource:
-    """One candidate dump: a file on disk, or a member of an archive."""
-
-    label: str  # what reports call it
-    path: str | None = None  # on-disk file, read by the worker
-    data: bytes | None = None  # archive member bytes
-    explicit: bool = False  # named on the command line (not found by a walk)
+#: Largest dump file read (kept for callers of the old constant; see ``Limits``).
+MAX_DUMP_BYTES = DEFAULT_LIMITS.max_file_bytes
 
 
 @dataclass(slots=True)
@@ -64,163 +78,83 @@ class DumpSet:
     def ranks(self) -> list[int]:
         return sorted(self.digests)
 
-
-def rank_from_name(name: str, prefix: str | None = None) -> int | None:
-    """The rank a file name implies, or ``None``.
-
-    With ``prefix``, the base name must be ``<prefix><rank>`` (an extension may
-    follow); without, the trailing integer of the base name.
-    """
-    base = name.rstrip("/").rsplit("/", 1)[-1]
-    if prefix is not None:
-        if not base.startswith(prefix):
-            return None
-        base = base[len(prefix):]
-        match = re.fullmatch(r"(\d+)(?:\.[A-Za-z][A-Za-z0-9]*)*", base)
-        return int(match.group(1)) if match else None
-    match = _TRAILING_INT.search(base)
-    return int(match.group(1)) if match else None
-
-
-def _is_archive(name: str) -> bool:
-    return name.lower().endswith(_ARCHIVE_SUFFIXES)
-
-
-def _archive_members(path: Path) -> Iterator[DumpSource]:
-    label = str(path)
-    if path.name.lower().endswith(".zip"):
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if info.is_dir() or info.file_size > MAX_DUMP_BYTES:
-                    continue
-                if _hidden(info.filename):
-                    continue
-                yield DumpSource(label=f"{label}!{info.filename}", data=zf.read(info))
-        return
-    with tarfile.open(path) as tf:
-        for member in tf:
-            if not member.isfile() or member.size > MAX_DUMP_BYTES or _hidden(member.name):
-                continue
-            fh = tf.extractfile(member)
-            if fh is not None:
-                yield DumpSource(label=f"{label}!{member.name}", data=fh.read())
-
-
-def _hidden(name: str) -> bool:
-    return any(part.startswith(".") for part in Path(name).parts if part not in (".", ".."))
-
-
-def discover(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[DumpSource], list[LoadProblem]]:
-    """Expand ``paths`` into candidate dumps (directories walked, archives opened)."""
-    sources: list[DumpSource] = []
-    problems: list[LoadProblem] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.exists():
-            raise UsageError(f"{path}: no such file or directory")
-        try:
-            if path.is_dir():
-                for dirpath, dirnames, filenames in os.walk(path):
-                    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-                    for name in sorted(filenames):
-                        if name.startswith("."):
-                            continue  # temp files of atomic writes, editor files
-                        full = Path(dirpath) / name
-                        if _is_archive(name):
-                            sources.extend(_archive_members(full))
-                        else:
-                            sources.append(DumpSource(label=str(full), path=str(full)))
-            elif _is_archive(path.name):
-                sources.extend(_archive_members(path))
-            else:
-                sources.append(DumpSource(label=str(path), path=str(path), explicit=True))
-        except (OSError, tarfile.TarError, zipfile.BadZipFile, EOFError) as exc:
-            problems.append(LoadProblem(str(path), f"cannot read archive or directory: {exc}"))
-    return sources, problems
-
-
-# ------------------------------------------------------------------ decoding
-
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    label: str
-    digest: RankDigest | None = None
-    error: str | None = None
-    quiet: bool = False  # a non-dump file found by a walk: skip without a problem
-
-
-def _decode_one(source: DumpSource, prefix: str | None, tail: int) -> _Outcome:
-    name_rank = rank_from_name(source.label, prefix)
-    if prefix is not None and name_rank is None and not source.explicit:
-        return _Outcome(source.label, quiet=True)
-    try:
-        if source.data is not None:
-            data = source.data
+    def add(self, item: RankDigest | LoadProblem | Skipped) -> None:
+        """Take one outcome: a digest (duplicates settled), a problem, or a skipped file."""
+        if isinstance(item, LoadProblem):
+            self.problems.append(item)
+        elif isinstance(item, Skipped):
+            self.skipped.append(item.label)
         else:
-            assert source.path is not None
-            size = os.path.getsize(source.path)
-            if size > MAX_DUMP_BYTES:
-                raise NotADumpError(f"{source.label}: {size} bytes is too large for a dump")
-            with open(source.path, "rb") as fh:
-                data = fh.read()
-        if sniff_format(data[:64]) is None and name_rank is None and not source.explicit:
-            return _Outcome(source.label, quiet=True)
-        trace = _decode_for_digest(data, source=source.label, rank_hint=name_rank, tail=tail)
-        del data
-        if trace.rank is None:
-            return _Outcome(
-                source.label,
-                error="cannot tell which rank wrote this dump (no rank in its content or its "
-                "name); rename it <prefix><rank> or pass --prefix",
-            )
-        return _Outcome(source.label, digest=digest(trace, rank=trace.rank, tail=tail))
-    except NotADumpError as exc:
-        quiet = name_rank is None and not source.explicit
-        return _Outcome(source.label, error=_strip_label(str(exc), source.label), quiet=quiet)
-    except DumpError as exc:
-        return _Outcome(source.label, error=_strip_label(str(exc), source.label))
-    except OSError as exc:
-        return _Outcome(source.label, error=f"cannot read: {exc.strerror or exc}")
-    except MemoryError:
-        return _Outcome(source.label, error="out of memory while decoding")
+            _add(self, item)
 
 
-def _decode_for_digest(data: bytes, *, source: str, rank_hint: int | None, tail: int) -> RankTrace:
-    """``decode_dump``, but native dumps resolve stacks and shapes only where the digest looks.
+def digest_source(
+    source: DumpSource,
+    *,
+    prefix: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    tail: int = DEFAULT_TAIL,
+) -> RankDigest | LoadProblem | Skipped:
+    """Decode and digest one candidate; never raises for a bad file."""
+    with gc_paused():
+        out = read_source(source, prefix=prefix, limits=limits, detail_tail=tail)
+        if isinstance(out, LoadProblem | Skipped):
+            return out
+        assert out.rank is not None  # read_source checked it
+        try:
+            return digest(out, rank=out.rank, tail=tail)
+        except MemoryError:
+            return LoadProblem(source.label, "out of memory while digesting: skipped")
+        except Exception as exc:  # a digest bug must cost one file, never the analysis
+            return LoadProblem(source.label, f"cannot digest ({type(exc).__name__}: {exc}); "
+                               "please report this file to frforensics")
 
-    The digest keeps full details of the last ``tail`` entries and the unfinished
-    ones; :func:`native.to_trace` with ``detail_tail`` builds exactly those (see
-    its docstring), which halves the cost of reading a native pickle.
-    """
-    fmt = sniff_format(data[:64])
-    if fmt is SourceFormat.NATIVE_PICKLE:
-        return native.pickle_to_trace(data, source=source, rank=rank_hint, detail_tail=tail)
-    if fmt is SourceFormat.NATIVE_JSON:
-        doc = native.decode_json(data, source=source)
-    else:
-        return decode_dump(data, source=source, rank_hint=rank_hint)
-    return native.to_trace(doc, source=source, fmt=fmt, rank=rank_hint, detail_tail=tail)
+
+def digest_paths(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    prefix: str | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    tail: int = DEFAULT_TAIL,
+) -> list[RankDigest | LoadProblem]:
+    """Every dump under local ``paths`` digested (skipped non-dumps left out)."""
+    out: list[RankDigest | LoadProblem] = []
+    for item in discover(paths, limits=limits):
+        result = item if isinstance(item, LoadProblem) else digest_source(
+            item, prefix=prefix, limits=limits, tail=tail)
+        if not isinstance(result, Skipped):
+            out.append(result)
+    return _share_groups(out)
 
 
-def _strip_label(message: str, label: str) -> str:
-    return message[len(label) + 2:] if message.startswith(label + ": ") else message
+def assemble(items: Iterable[RankDigest | LoadProblem | Skipped]) -> DumpSet:
+    """A :class:`DumpSet` of outcomes from any number of workers."""
+    result = DumpSet()
+    for item in items:
+        result.add(item)
+    return result
 
 
-def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int) -> list[_Outcome]:
-    out = []
+def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | LoadProblem]:
     # Every rank lists the groups it belongs to, the default group with all its
     # ranks: at 16,384 ranks that is 16,384 ints per digest, 10 GB if each digest
     # kept its own copy. Equal groups share one object within a batch, which the
     # pickle carrying the batch back then stores once.
     shared: dict[GroupInfo, GroupInfo] = {}
-    for source in batch:
-        with gc_paused():
-            outcome = _decode_one(source, prefix, tail)
-        if outcome.digest is not None:
-            groups = tuple(shared.setdefault(g, g) for g in outcome.digest.groups)
-            outcome = replace(outcome, digest=replace(outcome.digest, groups=groups))
-        out.append(outcome)
+    out: list[RankDigest | LoadProblem] = []
+    for item in items:
+        if isinstance(item, RankDigest):
+            groups = tuple(shared.setdefault(g, g) for g in item.groups)
+            item = replace(item, groups=groups)
+        out.append(item)
     return out
+
+
+def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int,
+                  limits: Limits = DEFAULT_LIMITS) -> list[RankDigest | LoadProblem | Skipped]:
+    done = [digest_source(source, prefix=prefix, limits=limits, tail=tail) for source in batch]
+    skipped = [d for d in done if isinstance(d, Skipped)]
+    return [*_share_groups([d for d in done if not isinstance(d, Skipped)]), *skipped]
 
 
 def _executor(jobs: int) -> Executor:
@@ -232,6 +166,12 @@ def _executor(jobs: int) -> Executor:
     return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=gc.enable)
 
 
+def cap_jobs(jobs: int | None) -> int:
+    """Worker processes to use: ``jobs`` (default: every core), never more than the cores."""
+    cores = os.cpu_count() or 1
+    return max(1, min(jobs or cores, cores))
+
+
 def load_dumps(
     paths: Sequence[str | os.PathLike[str]],
     *,
@@ -239,58 +179,72 @@ def load_dumps(
     jobs: int | None = None,
     tail: int = DEFAULT_TAIL,
     progress: Callable[[int, int], None] | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> DumpSet:
     """Discover and decode every dump under ``paths`` into a :class:`DumpSet`.
 
-    ``jobs`` worker processes decode in parallel (default: the machine's cores);
-    ``progress(done, total)`` is called as files finish.
+    ``jobs`` worker processes decode in parallel (default and most: the
+    machine's cores); ``progress(done, total)`` is called as files finish.
     """
     # The collector stays off for the whole load: digests arriving from the
     # workers are hundreds of thousands of long-lived objects, and every
     # collection would rescan all of them (nothing here makes reference cycles).
     with gc_paused():
-        return _load(paths, prefix=prefix, jobs=jobs, tail=tail, progress=progress)
+        return _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
+                     limits=limits)
 
 
 def _load(
     paths: Sequence[str | os.PathLike[str]],
     *,
     prefix: str | None,
-    jobs: int | None,
+    jobs: int,
     tail: int,
     progress: Callable[[int, int], None] | None,
+    limits: Limits,
 ) -> DumpSet:
-    sources, problems = discover(paths)
-    result = DumpSet(problems=problems)
-    total = len(sources)
-    jobs = max(1, jobs or os.cpu_count() or 1)
-    outcomes: list[_Outcome] = []
-    if jobs == 1 or total < 8:
-        for i, source in enumerate(sources):
-            outcomes.append(_decode_one(source, prefix, tail))
+    result = DumpSet()
+    # Archive members arrive as bytes, one at a time: they are decoded here as
+    # they stream by, so an archive never sits in memory whole. Files on disk
+    # (cheap to describe) go to the workers.
+    on_disk: list[DumpSource] = []
+    streamed = 0
+    for item in discover(paths, limits=limits):
+        if isinstance(item, LoadProblem):
+            result.problems.append(item)
+        elif item.data is not None:
+            result.add(digest_source(item, prefix=prefix, limits=limits, tail=tail))
+            streamed += 1
             if progress:
-                progress(i + 1, total)
-    else:
-        # Batches amortize the per-task overhead; several per worker keep cores busy.
-        size = max(1, min(64, total // (jobs * 4) or 1))
-        batches = [sources[i:i + size] for i in range(0, total, size)]
-        done = 0
-        with _executor(jobs) as pool:
-            for batch_out in pool.map(_decode_batch, batches, [prefix] * len(batches),
-                                      [tail] * len(batches)):
-                outcomes.extend(batch_out)
-                done += len(batch_out)
-                if progress:
-                    progress(done, total)
-    for out in outcomes:
-        if out.digest is None:
-            if out.quiet:
-                result.skipped.append(out.label)
-            else:
-                result.problems.append(LoadProblem(out.label, out.error or "unreadable"))
-            continue
-        _add(result, out.digest)
+                progress(streamed, streamed)
+        else:
+            on_disk.append(item)
+    total = streamed + len(on_disk)
+    done = streamed
+    for out in _decode_all(on_disk, prefix=prefix, jobs=jobs, tail=tail, limits=limits):
+        result.add(out)
+        done += 1
+        if progress:
+            progress(done, total)
     return result
+
+
+def _decode_all(sources: list[DumpSource], *, prefix: str | None, jobs: int, tail: int,
+                limits: Limits) -> Iterator[RankDigest | LoadProblem | Skipped]:
+    if jobs == 1 or len(sources) < 8:
+        for source in sources:
+            yield digest_source(source, prefix=prefix, limits=limits, tail=tail)
+        return
+    # Batches amortize the per-task overhead; several per worker keep cores busy;
+    # a bounded window of batches in flight keeps results from piling up.
+    size = max(1, min(64, len(sources) // (jobs * 4) or 1))
+    batches = deque(sources[i:i + size] for i in range(0, len(sources), size))
+    with _executor(jobs) as pool:
+        window: deque[Future[list[RankDigest | LoadProblem | Skipped]]] = deque()
+        while batches or window:
+            while batches and len(window) < 4 * jobs:
+                window.append(pool.submit(_decode_batch, batches.popleft(), prefix, tail, limits))
+            yield from window.popleft().result()
 
 
 def _add(result: DumpSet, new: RankDigest) -> None:
@@ -298,15 +252,15 @@ def _add(result: DumpSet, new: RankDigest) -> None:
     if old is None:
         result.digests[new.rank] = new
         return
-    if (old.format == "frdump") != (new.format == "frdump"):
+    keep_new, companion = settle_duplicate(old.format, old.newest_time_ns, new.format,
+                                           new.newest_time_ns)
+    keep, drop = (new, old) if keep_new else (old, new)
+    result.digests[new.rank] = keep
+    if companion:
         # The recorder saves PyTorch's own dump beside ours: ours says more (states,
         # times, peers, stacks at dump time), so it wins and the pair is no problem.
-        keep, drop = (old, new) if old.format == "frdump" else (new, old)
-        result.digests[new.rank] = keep
         result.companions.append(drop.source)
         return
-    keep, drop = (new, old) if new.newest_time_ns > old.newest_time_ns else (old, new)
-    result.digests[new.rank] = keep
     result.problems.append(
         LoadProblem(
             drop.source,
@@ -314,4 +268,3 @@ def _add(result: DumpSet, new: RankDigest) -> None:
             "pass one job's (or one quorum's) directory to analyze it alone",
         )
     )
-

@@ -97,18 +97,27 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
             lo = int(starts[first])
             hi = int(starts[first + 1]) if first + 1 < len(starts) else len(seq)
             raw = {int(r): int(v) for r, v in zip(ranks[lo:hi], column[lo:hi], strict=True)}
-            values = {r: _render(job, name, r, v) for r, v in raw.items()}
+            values = {r: _render(job, name, r, v, group.gid, int(seq[lo])) for r, v in raw.items()}
             found.append(Mismatch(group.gid, int(seq[lo]), name,  # type: ignore[arg-type]
                                   values, len(hits) - 1, raw))
     return tuple(found)
 
 
-def _render(job: JobModel, name: str, rank: int, value: int) -> str:
+def _render(job: JobModel, name: str, rank: int, value: int, gid: int, seq: int) -> str:
     d = job.digests[rank]
     if name == "size":
         return f"{value} elements"
     if name == "op":
-        return d.op_names.get(value, f"op#{value:x}")
+        if value in d.op_names:
+            return d.op_names[value]
+        # a coalesced block: its entries' ops, in order
+        view = job.view(rank, gid)
+        if view is not None:
+            rows = view.coll_rows[d.seq[view.coll_rows] == seq]
+            ops = [d.op_names.get(int(h), "?") for h in d.op_hash[rows]]
+            if ops:
+                return "[" + ", ".join(ops) + "]"
+        return f"op#{value:x}"
     return f"dtype#{value:x}"
 
 

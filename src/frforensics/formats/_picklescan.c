@@ -54,6 +54,7 @@
  * ~30 bytes per opcode; real dumps are a few MB). */
 #define MAX_SCAN_BYTES ((Py_ssize_t)256 << 20)
 #define MAX_DEPTH 64
+#define MAX_ENTRY_KEYS 128 /* PyTorch's entries have ~25 */
 #define NUMEL_LIMIT 4611686018427387904.0 /* 2**62, as the Python reader */
 
 enum { T_NONE, T_BOOL, T_INT, T_FLOAT, T_STR, T_BIGINT, T_LIST, T_TUPLE, T_DICT };
@@ -123,6 +124,17 @@ typedef struct {
     Vec st_off, st_flat, st_hash;
     IdTab sttab;
     int32_t *node_fid, *node_stid;
+    /* per-node memos: what a node shared through the pickle's memo (or DUP)
+     * means is computed once, as pickle itself builds a memoized object once;
+     * so a small pickle referencing one big list many times costs its size,
+     * never the product */
+    PyObject **node_py; /* to_py */
+    Py_ssize_t n_py;
+    int32_t *node_sz;   /* read_sizes: index into the sz_* vectors, -1 = not yet */
+    int32_t *node_dt;   /* read_dtypes: string id, -1 = not yet */
+    Vec sz_numel, sz_fsum, sz_text;
+    /* limits (formats/limits.py); past them: irregular, the Python reader decides */
+    Py_ssize_t max_dims, max_text_dims, max_string;
     /* scratch */
     Vec text, fids;
     const unsigned char *op_at; /* the opcode being run */
@@ -255,8 +267,8 @@ static char *arena_copy(Scan *s, const char *p, Py_ssize_t n) {
 /* The id of the string with these UTF-8 bytes (added on first sight). `stable`
  * says p outlives the scan (it points into the pickle); others are copied. */
 static int intern(Scan *s, const char *p, Py_ssize_t n, int stable, int32_t *out) {
-    if (n > INT32_MAX)
-        return IRREGULAR;
+    if (n > INT32_MAX || n > s->max_string)
+        return IRREGULAR; /* the Python reader cuts long strings */
     uint64_t h = hash_bytes(p, n, HASH_SEED);
     uint64_t i = h & s->stab.mask;
     for (;;) {
@@ -642,10 +654,36 @@ static int text_intern(Scan *s, int32_t *out) {
 }
 
 /* str() of a list of shapes, and the elements it holds (as the Python reader). */
+static int read_sizes_once(Scan *s, int32_t node, int64_t *numel, double *fsum, int32_t *text);
+
 static int read_sizes(Scan *s, int32_t node, int64_t *numel, double *column_sum, int32_t *text) {
+    int32_t k = s->node_sz[node];
+    if (k < 0) {
+        int64_t nm;
+        double fs = 0.0;
+        int32_t tx;
+        TRY(read_sizes_once(s, node, &nm, &fs, &tx));
+        TRY(vec_reserve(&s->sz_numel, 1));
+        TRY(vec_reserve(&s->sz_fsum, 1));
+        TRY(vec_reserve(&s->sz_text, 1));
+        k = s->node_sz[node] = (int32_t)s->sz_numel.n;
+        AT(s->sz_numel, int64_t, s->sz_numel.n++) = nm;
+        AT(s->sz_fsum, double, s->sz_fsum.n++) = fs;
+        AT(s->sz_text, int32_t, s->sz_text.n++) = tx;
+    }
+    *numel = AT(s->sz_numel, int64_t, k);
+    *text = AT(s->sz_text, int32_t, k);
+    *column_sum += AT(s->sz_fsum, double, k);
+    if (*column_sum >= NUMEL_LIMIT)
+        return IRREGULAR;
+    return OK;
+}
+
+static int read_sizes_once(Scan *s, int32_t node, int64_t *numel, double *column_sum, int32_t *text) {
     Node *nd = N(s, node);
     if (nd->tag != T_LIST && nd->tag != T_TUPLE)
         return IRREGULAR;
+    Py_ssize_t dims = 0;
     int outer_tuple = nd->tag == T_TUPLE;
     s->text.n = 0;
     TRY(text_add(s, outer_tuple ? "(" : "[", 1));
@@ -654,6 +692,10 @@ static int read_sizes(Scan *s, int32_t node, int64_t *numel, double *column_sum,
     for (int32_t l = nd->head; l >= 0; l = AT(s->links, Link, l).next) {
         Node *shape = N(s, AT(s->links, Link, l).node);
         if (shape->tag != T_LIST && shape->tag != T_TUPLE)
+            return IRREGULAR;
+        /* dims per shape, and dims in the text: past the limits, the Python reader */
+        dims += shape->count;
+        if (shape->count > s->max_dims || dims > s->max_text_dims)
             return IRREGULAR;
         int tuple = shape->tag == T_TUPLE;
         if (!first)
@@ -700,6 +742,10 @@ static int read_dtypes(Scan *s, int32_t node, int none_ok, int32_t *out) {
     }
     if (nd->tag != T_LIST && nd->tag != T_TUPLE)
         return IRREGULAR;
+    if (s->node_dt[node] >= 0) {
+        *out = s->node_dt[node];
+        return OK;
+    }
     s->text.n = 0;
     for (int32_t l = nd->head; l >= 0; l = AT(s->links, Link, l).next) {
         Node *d = N(s, AT(s->links, Link, l).node);
@@ -707,9 +753,13 @@ static int read_dtypes(Scan *s, int32_t node, int none_ok, int32_t *out) {
             return IRREGULAR;
         if (l != nd->head)
             TRY(text_add(s, ",", 1));
+        if (s->text.n + AT(s->slen, int32_t, d->v) > s->max_string)
+            return IRREGULAR;
         TRY(text_add(s, AT(s->sptr, const char *, d->v), AT(s->slen, int32_t, d->v)));
     }
-    return text_intern(s, out);
+    TRY(text_intern(s, out));
+    s->node_dt[node] = *out;
+    return OK;
 }
 
 /* A string field: str as is, None as "" (Python's _as_str); else irregular. */
@@ -848,7 +898,24 @@ static int read_stack(Scan *s, int32_t node, int32_t *out) {
 
 /* ---- Python objects for the rest of the document ------------------------- */
 
+static PyObject *to_py_once(Scan *s, int32_t id, int depth, int *rc);
+
+/* One Python object per node, as the unpickler builds one per memoized object:
+ * a list referenced a thousand times is built once, never copied. */
 static PyObject *to_py(Scan *s, int32_t id, int depth, int *rc) {
+    if (s->node_py[id] != NULL) {
+        Py_INCREF(s->node_py[id]);
+        return s->node_py[id];
+    }
+    PyObject *out = to_py_once(s, id, depth, rc);
+    if (out != NULL) {
+        Py_INCREF(out);
+        s->node_py[id] = out;
+    }
+    return out;
+}
+
+static PyObject *to_py_once(Scan *s, int32_t id, int depth, int *rc) {
     if (depth > MAX_DEPTH) {
         *rc = IRREGULAR;
         return NULL;
@@ -981,8 +1048,8 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
         int32_t f[N_ENTRY_KEYS];
         for (int k = 0; k < N_ENTRY_KEYS; k++)
             f[k] = -1;
-        if (e->tag != T_DICT) {
-            rc = IRREGULAR;
+        if (e->tag != T_DICT || e->count > 2 * MAX_ENTRY_KEYS) {
+            rc = IRREGULAR; /* not a record, or one with hundreds of keys */
             break;
         }
         for (int32_t m = e->head; m >= 0; m = AT(s->links, Link, AT(s->links, Link, m).next).next) {
@@ -1117,6 +1184,9 @@ static int scan_into(Scan *s, PyObject *result) {
     TRY(vec_init(&s->st_hash, sizeof(uint64_t), 64));
     TRY(idtab_init(&s->sttab, 128));
     TRY(vec_init(&s->text, 1, 256));
+    TRY(vec_init(&s->sz_numel, sizeof(int64_t), 64));
+    TRY(vec_init(&s->sz_fsum, sizeof(double), 64));
+    TRY(vec_init(&s->sz_text, sizeof(int32_t), 64));
     TRY(vec_init(&s->fids, sizeof(int32_t), 64));
     AT(s->st_off, int32_t, s->st_off.n++) = 0;
     if ((s->pystrings = PyList_New(0)) == NULL)
@@ -1135,13 +1205,20 @@ static int scan_into(Scan *s, PyObject *result) {
     Py_ssize_t nn = s->nodes.n;
     s->node_fid = PyMem_Malloc((size_t)nn * sizeof(int32_t));
     s->node_stid = PyMem_Malloc((size_t)nn * sizeof(int32_t));
-    if (s->node_fid == NULL || s->node_stid == NULL) {
+    s->node_sz = PyMem_Malloc((size_t)nn * sizeof(int32_t));
+    s->node_dt = PyMem_Malloc((size_t)nn * sizeof(int32_t));
+    s->node_py = PyMem_Calloc((size_t)nn, sizeof(PyObject *));
+    if (s->node_fid == NULL || s->node_stid == NULL || s->node_sz == NULL || s->node_dt == NULL
+        || s->node_py == NULL) {
         PyErr_NoMemory();
         return ERR;
     }
+    s->n_py = nn;
     for (Py_ssize_t k = 0; k < nn; k++) {
         s->node_fid[k] = -1;
         s->node_stid[k] = -2;
+        s->node_sz[k] = -1;
+        s->node_dt[k] = -1;
     }
 
     /* the top level: "entries" into columns, the rest into Python objects */
@@ -1194,7 +1271,8 @@ static void scan_free(Scan *s) {
     vec_keep(&s->memo, &kept_memo);
     Vec *vecs[] = {&s->nodes, &s->links, &s->stack, &s->marks, &s->memo, &s->sptr, &s->slen,
                    &s->shash, &s->f_file, &s->f_name, &s->f_line, &s->f_hash, &s->st_off,
-                   &s->st_flat, &s->st_hash, &s->text, &s->fids};
+                   &s->st_flat, &s->st_hash, &s->text, &s->fids, &s->sz_numel, &s->sz_fsum,
+                   &s->sz_text};
     for (size_t k = 0; k < sizeof vecs / sizeof vecs[0]; k++)
         vec_free(vecs[k]);
     PyMem_Free(s->stab.slot);
@@ -1202,6 +1280,13 @@ static void scan_free(Scan *s) {
     PyMem_Free(s->sttab.slot);
     PyMem_Free(s->node_fid);
     PyMem_Free(s->node_stid);
+    PyMem_Free(s->node_sz);
+    PyMem_Free(s->node_dt);
+    if (s->node_py != NULL) {
+        for (Py_ssize_t k = 0; k < s->n_py; k++)
+            Py_XDECREF(s->node_py[k]);
+        PyMem_Free(s->node_py);
+    }
     while (s->arena) {
         ArenaChunk *next = s->arena->next;
         PyMem_Free(s->arena);
@@ -1210,9 +1295,10 @@ static void scan_free(Scan *s) {
     Py_XDECREF(s->pystrings);
 }
 
-static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *arg) {
+static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    Py_ssize_t max_dims = 64, max_text_dims = 4096, max_string = 65536;
+    if (!PyArg_ParseTuple(args, "y*|nnn:scan", &view, &max_dims, &max_text_dims, &max_string))
         return NULL;
     if (view.len > MAX_SCAN_BYTES) {
         PyBuffer_Release(&view);
@@ -1222,6 +1308,9 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *arg) {
     memset(&s, 0, sizeof s);
     s.data = view.buf;
     s.len = view.len;
+    s.max_dims = max_dims;
+    s.max_text_dims = max_text_dims;
+    s.max_string = max_string;
     PyObject *result = PyDict_New();
     int rc = result == NULL ? ERR : scan_into(&s, result);
     scan_free(&s);
@@ -1236,10 +1325,125 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* ---- the guard for the Python unpickler ------------------------------------ */
+
+/* Bytes of argument of each opcode: >= 0 fixed, -1 one text line, -2 two text
+ * lines, -4/-8/-101 a length prefix of 4, 8 or 1 bytes followed by that many
+ * bytes; -100 unknown opcode. */
+static int arg_kind(unsigned char op) {
+    switch (op) {
+    case '(': case '.': case '0': case '1': case '2': case 'N': case ')': case ']': case '}':
+    case 'a': case 'e': case 'u': case 's': case 'l': case 't': case 'd': case 0x85:
+    case 0x86: case 0x87: case 0x88: case 0x89: case 0x94: case 'R': case 'b': case 'o':
+    case 0x81: case 0x92: case 0x93: case 'Q': case 0x8f: case 0x90: case 0x91: case 0x97:
+    case 0x98:
+        return 0;
+    case 0x80: case 'K': case 'q': case 'h': case 0x82:
+        return 1;
+    case 'M': case 0x83:
+        return 2;
+    case 'J': case 'r': case 'j': case 0x84:
+        return 4;
+    case 'G': case 0x95:
+        return 8;
+    case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p': case 'g':
+        return -1;
+    case 'c': case 'i':
+        return -2;
+    case 'X': case 'T': case 'B': case 0x8b:
+        return -4;
+    case 0x8d: case 0x8e: case 0x96:
+        return -8;
+    case 0x8c: case 'U': case 'C': case 0x8a:
+        return -101;
+    default:
+        return -100;
+    }
+}
+
+static PyObject *check(PyObject *Py_UNUSED(module), PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *data = view.buf, *p = data, *end = data + view.len;
+    uint64_t limit = (uint64_t)view.len; /* writers number memo entries from 0 */
+    const char *why = NULL;
+    uint64_t memoized = 0;
+    int stopped = 0;
+    while (p < end && why == NULL) {
+        unsigned char op = *p++;
+        int kind = arg_kind(op);
+        uint64_t n = 0, memo = UINT64_MAX;
+        if (op == '.') {
+            stopped = 1;
+            break;
+        }
+        if (kind == -100) {
+            why = "unknown opcode";
+        } else if (kind >= 0) {
+            if ((uint64_t)(end - p) < (uint64_t)kind) {
+                why = "truncated";
+                break;
+            }
+            if (op == 'q')
+                memo = p[0];
+            else if (op == 'r')
+                memo = le(p, 4);
+            p += kind;
+        } else if (kind == -1 || kind == -2) {
+            for (int line = 0; line < -kind && why == NULL; line++) {
+                const unsigned char *nl = memchr(p, '\n', (size_t)(end - p));
+                if (nl == NULL) {
+                    why = "truncated";
+                    break;
+                }
+                if (op == 'p') { /* PUT with a decimal index */
+                    uint64_t v = 0;
+                    for (const unsigned char *q = p; q < nl && v <= limit; q++)
+                        v = (*q >= '0' && *q <= '9') ? v * 10 + (uint64_t)(*q - '0') : v;
+                    memo = v;
+                }
+                p = nl + 1;
+            }
+        } else {
+            int width = kind == -101 ? 1 : -kind;
+            if ((uint64_t)(end - p) < (uint64_t)width) {
+                why = "truncated";
+                break;
+            }
+            n = le(p, width);
+            if (op == 0x8b && (n & 0x80000000u))
+                n = UINT64_MAX; /* a negative LONG4 length */
+            p += width;
+            if ((uint64_t)(end - p) < n) {
+                why = "truncated (an argument runs past the end of the file)";
+                break;
+            }
+            p += n;
+        }
+        if (memo != UINT64_MAX && memo > limit)
+            why = "memo index past the size of the file";
+        if (op == 0x94 && ++memoized > limit) /* MEMOIZE: cannot outnumber the bytes */
+            why = "memo index past the size of the file";
+    }
+    if (why == NULL && !stopped)
+        why = "truncated (no STOP opcode)";
+    Py_ssize_t at = (Py_ssize_t)(p - data) - 1;
+    PyBuffer_Release(&view);
+    if (why == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_FromFormat("%s at byte %zd", why, at < 0 ? 0 : at);
+}
+
 static PyMethodDef methods[] = {
-    {"scan", scan, METH_O,
-     "scan(data) -> dict | str | None: a native pickle dump's entries as columns; "
-     "a str says why the pickle is malformed; None: read it with the Python unpickler."},
+    {"scan", scan, METH_VARARGS,
+     "scan(data, max_dims=64, max_text_dims=4096, max_string=65536) -> dict | str | None: "
+     "a native pickle dump's entries as columns; a str says why the pickle is malformed; "
+     "None: read it with the Python unpickler."},
+    {"check", check, METH_O,
+     "check(data) -> str | None: walk every opcode without running any; a str says why "
+     "the Python unpickler must not be given this pickle (truncated, unknown opcode, a memo "
+     "index past the size of the file), None: it may."},
     {NULL, NULL, 0, NULL},
 };
 

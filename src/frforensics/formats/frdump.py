@@ -43,14 +43,22 @@ from typing import Any, Final
 import msgpack
 import numpy as np
 
-from frforensics.errors import CorruptDumpError, NotADumpError, UnsupportedVersionError
+from frforensics.errors import (
+    CorruptDumpError,
+    LimitExceededError,
+    NotADumpError,
+    UnsupportedVersionError,
+)
+from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     ENTRY_COLUMNS,
+    NO_INDEX,
     DeathInfo,
     DumpReason,
     EntryTable,
     Frame,
     GroupInfo,
+    OpState,
     PeerHeartbeat,
     RankTrace,
     SourceFormat,
@@ -193,6 +201,7 @@ def encode(trace: RankTrace) -> bytes:
         "stale_peers": [{"rank": p.rank, "age_s": p.age_s} for p in trace.stale_peers],
         "death": death,
         "notes": list(trace.notes),
+        "unrecorded_ops": trace.unrecorded_ops,
         "local_rank": trace.local_rank,
         "cuda_device": trace.cuda_device,
         "gpu_uuid": trace.gpu_uuid,
@@ -238,9 +247,16 @@ def _opt_int(doc: Mapping[str, Any], key: str, source: str) -> int | None:
     return None if value is None or isinstance(value, bool) else int(value)
 
 
-def _opt_str(doc: Mapping[str, Any], key: str, source: str) -> str | None:
+def _cut(text: str, limits: Limits) -> str:
+    """``text`` within ``limits.max_string_chars`` (longer ones cut, with a mark)."""
+    if len(text) <= limits.max_string_chars:
+        return text
+    return text[:limits.max_string_chars] + f"…[{len(text) - limits.max_string_chars} more chars]"
+
+
+def _opt_str(doc: Mapping[str, Any], key: str, source: str, limits: Limits) -> str | None:
     value = _field(doc, key, str, source)
-    return None if value is None else str(value)
+    return None if value is None else _cut(str(value), limits)
 
 
 def _int_column(raw: Any, what: str, source: str) -> np.ndarray:
@@ -249,11 +265,30 @@ def _int_column(raw: Any, what: str, source: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4")
 
 
-def decode(data: bytes, *, source: str = "<bytes>") -> RankTrace:
-    """Parse frdump bytes into a :class:`RankTrace`.
+def _section(doc: Mapping[str, Any], key: str, kind: type, source: str) -> Any:
+    """A top-level section of the given container type (absent or null: empty)."""
+    value = doc.get(key)
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise CorruptDumpError(f"{source}: {key!r} is a {type(value).__name__}, "
+                               f"not a {kind.__name__}")
+    return value
+
+
+def _records(doc: Mapping[str, Any], key: str, source: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = _section(doc, key, list, source)
+    if not all(isinstance(x, dict) for x in items):
+        raise CorruptDumpError(f"{source}: {key!r} holds something other than records")
+    return items
+
+
+def decode(data: bytes, *, source: str = "<bytes>", limits: Limits = DEFAULT_LIMITS) -> RankTrace:
+    """Parse frdump bytes into a :class:`RankTrace`, within ``limits``.
 
     Raises ``NotADumpError`` without the magic, ``UnsupportedVersionError`` for a
-    newer format, ``CorruptDumpError`` for anything truncated or malformed.
+    newer format, ``CorruptDumpError`` for anything truncated or malformed and
+    ``LimitExceededError`` past a limit.
     """
     if not data.startswith(MAGIC):
         raise NotADumpError(f"{source}: not an frdump file (no magic)")
@@ -263,6 +298,13 @@ def decode(data: bytes, *, source: str = "<bytes>") -> RankTrace:
             raw=False,
             strict_map_key=False,
             use_list=True,
+            # msgpack's own guards: no container may claim more items than the
+            # bytes present could hold
+            max_bin_len=len(data),
+            max_str_len=len(data),
+            max_array_len=len(data),
+            max_map_len=len(data),
+            max_ext_len=len(data),
         )
     except Exception as exc:  # msgpack raises several unrelated types
         raise CorruptDumpError(
@@ -280,40 +322,86 @@ def decode(data: bytes, *, source: str = "<bytes>") -> RankTrace:
             f"up to version {VERSION}: upgrade it (pip install -U frforensics)"
         )
     try:
-        return _decode_doc(doc, source)
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        return _decode_doc(doc, source, limits, len(data))
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
         raise CorruptDumpError(f"{source}: malformed frdump ({type(exc).__name__}: {exc})") from None
 
 
-def _group_ranks(raw: Any, source: str) -> tuple[int, ...] | None:
+def _small_int(doc: Mapping[str, Any], key: str, source: str) -> int | None:
+    """An optional small non-negative int (device index, local rank): else unknown."""
+    value = _opt_int(doc, key, source)
+    return value if value is not None and 0 <= value < 1 << 20 else None
+
+
+def _short_str(doc: Mapping[str, Any], key: str, source: str) -> str | None:
+    """An optional identifier string, cut to 128 printable characters."""
+    value = _field(doc, key, str, source)
+    if value is None:
+        return None
+    return "".join(c for c in str(value)[:128] if c.isprintable()) or None
+
+
+def _group_ranks(raw: Any, source: str, limits: Limits) -> tuple[int, ...] | None:
     """Group members: a progression (version 3), packed int32 (version 2) or a list
-    of ints (version 1)."""
+    of ints (version 1), within ``limits``."""
     if raw is None:
         return None
     if isinstance(raw, dict):
         arith = raw.get("arith")
         if (isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith)
-                and arith[1] > 0 and 0 <= arith[2] <= 1 << 24 and arith[0] >= 0):
+                and arith[1] > 0 and 0 <= arith[2] <= limits.max_rank and arith[0] >= 0
+                and arith[0] + arith[1] * max(arith[2] - 1, 0) < limits.max_rank):
             start, step, count = arith
             return tuple(range(start, start + step * count, step))
         raise CorruptDumpError(f"{source}: group ranks are malformed")
     if isinstance(raw, bytes):
-        return tuple(_int_column(raw, "group ranks", source).tolist())
-    if isinstance(raw, list) and all(type(r) is int for r in raw):
-        return tuple(raw)
-    raise CorruptDumpError(f"{source}: group ranks are malformed")
+        ranks = _int_column(raw, "group ranks", source)
+    elif isinstance(raw, list) and all(type(r) is int for r in raw):
+        ranks = np.asarray(raw, dtype=np.int64) if raw else np.empty(0, dtype=np.int64)
+    else:
+        raise CorruptDumpError(f"{source}: group ranks are malformed")
+    if len(ranks) > limits.max_rank or (len(ranks) and (
+            int(ranks.min()) < 0 or int(ranks.max()) >= limits.max_rank)):
+        raise LimitExceededError(f"{source}: a group lists implausible ranks "
+                                 f"(0 <= rank < {limits.max_rank}, at most {limits.max_rank})")
+    return tuple(ranks.tolist())
 
 
-def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
-    strings = doc.get("strings") or []
-    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+def _check_columns(entries: EntryTable, source: str, limits: Limits) -> None:
+    """Every column within its domain: what the analyzer indexes with, or counts up to."""
+    if not len(entries):
+        return
+
+    def within(name: str, low: int, high: int) -> None:
+        col = getattr(entries, name)
+        if int(col.min()) < low or int(col.max()) >= high:
+            raise CorruptDumpError(f"{source}: entry column {name!r} holds a value outside "
+                                   f"[{low}, {high})")
+
+    # (indices into the string, stack and group tables need no check: the
+    # model's accessors answer "unknown" for one out of range)
+    within("state", 0, int(OpState.FAILED) + 1)
+    for name in ("seq", "p2p_seq", "peer_seq"):
+        within(name, NO_INDEX, limits.max_seq)
+    for name in ("peer", "root"):
+        within(name, NO_INDEX, limits.max_rank)
+    for name in ("t_enqueue_ns", "t_start_ns", "t_complete_ns", "timeout_ms", "in_numel",
+                 "out_numel"):
+        within(name, 0, 1 << 62)
+
+
+def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> RankTrace:
+    strings = _section(doc, "strings", list, source)
+    if not all(isinstance(s, str) for s in strings):
         raise CorruptDumpError(f"{source}: string table is malformed")
+    if any(len(s) > limits.max_string_chars for s in strings):
+        strings = [_cut(s, limits) for s in strings]
     n_strings = len(strings)
 
     def text(index: int) -> str:
         return strings[index] if 0 <= index < n_strings else ""
 
-    frames_doc = doc.get("frames") or {}
+    frames_doc = _section(doc, "frames", dict, source)
     f_file = _int_column(frames_doc.get("file", b""), "frames.file", source)
     f_line = _int_column(frames_doc.get("line", b""), "frames.line", source)
     f_name = _int_column(frames_doc.get("name", b""), "frames.name", source)
@@ -325,7 +413,7 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
     ]
     n_frames = len(frames)
     stacks: list[tuple[Frame, ...]] = []
-    for raw in doc.get("stacks") or []:
+    for raw in _section(doc, "stacks", list, source):
         ids = _int_column(raw, "stack", source).tolist()
         if ids and (min(ids) < 0 or max(ids) >= n_frames):
             raise CorruptDumpError(f"{source}: stack refers to a missing frame")
@@ -334,12 +422,15 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
     def stack_at(index: Any) -> tuple[Frame, ...]:
         return stacks[index] if isinstance(index, int) and 0 <= index < len(stacks) else ()
 
-    entries_doc = doc.get("entries") or {}
+    entries_doc = _section(doc, "entries", dict, source)
     n = entries_doc.get("n", 0)
-    if not isinstance(n, int) or n < 0:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise CorruptDumpError(f"{source}: entry count is malformed")
+    if n > limits.max_entries:
+        raise LimitExceededError(f"{source}: {n} entries (limit {limits.max_entries} per rank)")
+    raw_columns = _section(entries_doc, "columns", dict, source)
     columns: dict[str, np.ndarray] = {}
-    for name, spec in (entries_doc.get("columns") or {}).items():
+    for name, spec in raw_columns.items():
         if name not in ENTRY_COLUMNS:
             continue  # a column from a newer minor revision: ignore it
         if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], bytes)):
@@ -348,40 +439,57 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
         if spec[0] != ENTRY_COLUMNS[name] or len(spec[1]) != n * dtype.itemsize:
             raise CorruptDumpError(f"{source}: column {name!r} has the wrong size or type")
         columns[name] = np.frombuffer(spec[1], dtype=dtype)
+    # A declared count is believed only when the bytes back it: absent columns
+    # are filled with defaults, n rows each, so n entries need some column of n rows.
+    if n and (not columns or n > size):
+        raise CorruptDumpError(f"{source}: declares {n} entries but carries no entry columns")
     entries = EntryTable.from_columns(n, columns)
+    notes = [_cut(str(x), limits) for x in _section(doc, "notes", list, source)]
+    for name, what in (("t_enqueue_ns", "creation time"), ("timeout_ms", "timeout")):
+        if n and name not in columns:
+            notes.append(f"{source}: no {name} column: every entry's {what} is unknown")
 
     groups = []
-    for g in doc.get("groups") or []:
-        ranks = g.get("ranks")
+    for g in _records(doc, "groups", source):
         groups.append(
             GroupInfo(
-                name=str(g.get("name", "")),
-                desc=str(g.get("desc", "")),
-                ranks=_group_ranks(ranks, source),
-                backend=str(g.get("backend", "")),
+                name=_cut(str(g.get("name", "")), limits),
+                desc=_cut(str(g.get("desc", "")), limits),
+                ranks=_group_ranks(g.get("ranks"), source, limits),
+                backend=_cut(str(g.get("backend", "")), limits),
             )
         )
+    _check_columns(entries, source, limits)
     threads = tuple(
         ThreadStack(
-            name=str(t.get("name", "")),
+            name=_cut(str(t.get("name", "")), limits),
             ident=int(t.get("ident", 0)),
             is_main=bool(t.get("is_main", False)),
             frames=stack_at(t.get("stack")),
         )
-        for t in doc.get("threads") or []
+        for t in _records(doc, "threads", source)
     )
     death_doc = doc.get("death")
     death = None
     if isinstance(death_doc, dict):
         death = DeathInfo(
-            kind=str(death_doc.get("kind", "")),
-            message=str(death_doc.get("message", "")),
+            kind=_cut(str(death_doc.get("kind", "")), limits),
+            message=_cut(str(death_doc.get("message", "")), limits),
             frames=stack_at(death_doc.get("stack")),
         )
     try:
         reason = DumpReason(doc.get("dump_reason") or "unknown")
-    except ValueError:
+    except (ValueError, TypeError):
         reason = DumpReason.UNKNOWN
+    stale = []
+    for p in _records(doc, "stale_peers", source):
+        peer = p["rank"]
+        if type(peer) is not int or not 0 <= peer < limits.max_rank:
+            raise CorruptDumpError(f"{source}: stale peer rank {peer!r} is not plausible")
+        stale.append(PeerHeartbeat(rank=peer, age_s=float(p.get("age_s", 0.0))))
+    dropped = entries_doc.get("dropped") or 0
+    if type(dropped) is not int or dropped < 0:
+        raise CorruptDumpError(f"{source}: dropped-entry count is malformed")
     return RankTrace(
         rank=_opt_int(doc, "rank", source),
         source=source,
@@ -392,24 +500,22 @@ def _decode_doc(doc: dict[str, Any], source: str) -> RankTrace:
         stacks=tuple(stacks),
         entries=entries,
         world_size=_opt_int(doc, "world_size", source),
-        host=_opt_str(doc, "host", source),
+        host=_opt_str(doc, "host", source, limits),
         pid=_opt_int(doc, "pid", source),
-        job_id=_opt_str(doc, "job_id", source),
+        job_id=_opt_str(doc, "job_id", source, limits),
         dump_reason=reason,
-        dump_detail=str(doc.get("dump_detail") or ""),
+        dump_detail=_cut(str(doc.get("dump_detail") or ""), limits),
         dump_time_ns=_opt_int(doc, "dump_time_ns", source),
         dump_monotonic_ns=_opt_int(doc, "dump_monotonic_ns", source),
         completion_resolution_ns=_opt_int(doc, "completion_resolution_ns", source) or 0,
-        dropped=int(entries_doc.get("dropped") or 0),
+        dropped=dropped,
         threads=threads,
-        stale_peers=tuple(
-            PeerHeartbeat(rank=int(p["rank"]), age_s=float(p.get("age_s", 0.0)))
-            for p in doc.get("stale_peers") or []
-        ),
+        stale_peers=tuple(stale),
         death=death,
-        notes=tuple(str(x) for x in doc.get("notes") or []),
-        local_rank=_opt_int(doc, "local_rank", source),
-        cuda_device=_opt_int(doc, "cuda_device", source),
-        gpu_uuid=_opt_str(doc, "gpu_uuid", source),
-        pci_bus_id=_opt_str(doc, "pci_bus_id", source),
+        notes=tuple(notes),
+        unrecorded_ops=min(max(_opt_int(doc, "unrecorded_ops", source) or 0, 0), 1 << 53),
+        local_rank=_small_int(doc, "local_rank", source),
+        cuda_device=_small_int(doc, "cuda_device", source),
+        gpu_uuid=_short_str(doc, "gpu_uuid", source),
+        pci_bus_id=_short_str(doc, "pci_bus_id", source),
     )

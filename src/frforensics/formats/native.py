@@ -40,7 +40,13 @@ from typing import Any, Final, NamedTuple, NoReturn
 import numpy as np
 
 from frforensics._gc import gc_paused
-from frforensics.errors import CorruptDumpError, NotADumpError, UnsafeDumpError
+from frforensics.errors import (
+    CorruptDumpError,
+    LimitExceededError,
+    NotADumpError,
+    UnsafeDumpError,
+)
+from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     NO_INDEX,
     EntryTable,
@@ -113,8 +119,42 @@ class NoGlobalsUnpickler(pickle.Unpickler):
         raise UnsafeDumpError("pickle uses persistent ids: refused unread")
 
 
+def check_pickle(data: bytes) -> str | None:
+    """Why the Python unpickler must not be given ``data``, or ``None``.
+
+    Walks every opcode without running any (the C scanner's ``check``, or
+    :mod:`pickletools` where it is not compiled): truncated arguments, unknown
+    opcodes and memo indices past the size of the file (which make the unpickler
+    allocate gigabytes before failing) are refused.
+    """
+    checker: Callable[[bytes], str | None] = getattr(_picklescan, "check", _check_pickle_python)
+    return checker(data)
+
+
+def _check_pickle_python(data: bytes) -> str | None:
+    """:func:`check_pickle` where the C scanner is not compiled (slower, same rules)."""
+    import pickletools
+
+    limit = len(data)
+    memoized = 0
+    try:
+        for opcode, arg, pos in pickletools.genops(data):
+            if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int) and arg > limit:
+                return f"memo index past the size of the file at byte {pos}"
+            if opcode.name == "MEMOIZE":
+                memoized += 1
+            if opcode.name == "STOP":
+                return None
+    except Exception as exc:  # genops raises ValueError and others on bad bytes
+        return f"malformed ({type(exc).__name__}: {exc})"
+    return "truncated (no STOP opcode)"
+
+
 def decode_pickle(data: bytes, *, source: str = "<bytes>") -> Any:
-    """Decode a native pickle dump with :class:`NoGlobalsUnpickler`."""
+    """Decode a native pickle dump with :class:`NoGlobalsUnpickler` (after :func:`check_pickle`)."""
+    why = check_pickle(data)
+    if why is not None:
+        raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({why})")
     # A BufferedReader can be peeked, so the C unpickler reads it in large chunks;
     # on a bare BytesIO it calls read() once per opcode (protocol 2 has no frames),
     # four times slower than the decoding itself.
@@ -143,22 +183,70 @@ def decode_json(data: bytes, *, source: str = "<bytes>") -> Any:
         raise CorruptDumpError(f"{source}: truncated or invalid JSON ({exc})") from None
 
 
-def _parse_ranks(raw: Any) -> tuple[int, ...] | None:
-    """``pg_config`` ranks: a string like '[0, 1]' (or a list). Empty = unknown."""
+_RANKS_TEXT: Final = re.compile(r"\s*\[\s*(\d+(?:\s*,\s*\d+)*)?\s*,?\s*\]\s*")
+
+
+def _parse_ranks(raw: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[int, ...] | None:
+    """``pg_config`` ranks: a string like '[0, 1]' (or a list). Empty or implausible = unknown.
+
+    The string is matched as a flat list of integers (no JSON parser: a nested
+    '[[[[...' must cost nothing); members must be below ``limits.max_rank``.
+    """
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except ValueError:
+        if len(raw) > 8 * limits.max_rank:
             return None
-    if not isinstance(raw, list | tuple) or not raw:
+        match = _RANKS_TEXT.fullmatch(raw)
+        if match is None or not match.group(1):
+            return None
+        digits = re.findall(r"\d+", match.group(1))
+        if any(len(d) > 7 for d in digits):
+            return None
+        raw = [int(d) for d in digits]
+    if not isinstance(raw, list | tuple) or not raw or len(raw) > limits.max_rank:
         return None
-    if set(map(type, raw)) != {int} or min(raw) < 0:  # type() at C speed: no bools
-        return None
+    if set(map(type, raw)) != {int} or min(raw) < 0 or max(raw) >= limits.max_rank:
+        return None  # type() at C speed: no bools
     return tuple(raw)
 
 
+_SCALARS: Final = frozenset({int, float, bool})
+
+
 def _as_str(value: Any) -> str:
-    return value if isinstance(value, str) else ("" if value is None else str(value))
+    """A string field as text; containers are never stringified (a nested or shared
+    list would cost its whole depth or size), they read as ``<list>``."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if type(value) in _SCALARS:
+        return str(value)
+    return f"<{type(value).__name__}>"
+
+
+def _cut(text: str, limits: Limits) -> str:
+    """``text`` within ``limits.max_string_chars`` (longer ones cut, with a mark)."""
+    if len(text) <= limits.max_string_chars:
+        return text
+    return text[:limits.max_string_chars] + f"…[{len(text) - limits.max_string_chars} more chars]"
+
+
+def _by_identity(column: Sequence[Any], fn: Callable[[Any], Any]) -> list[Any]:
+    """``[fn(v) for v in column]``, calling ``fn`` once per distinct *object*.
+
+    A pickle may reference one list from every entry (its memo shares it): each
+    distinct object is interpreted once, so the cost follows the file's size,
+    never entries x list length. Objects stay alive for the call (ids are stable).
+    """
+    seen: dict[int, Any] = {}
+    out = []
+    for value in column:
+        key = id(value)
+        hit = seen.get(key, seen)
+        if hit is seen:
+            hit = seen[key] = fn(value)
+        out.append(hit)
+    return out
 
 
 def normalize_op(profiling_name: str) -> tuple[str, int, int]:
@@ -217,6 +305,8 @@ class _Irregular(Exception):
 
 
 def _int_list(values: list[Any], what: str, source: str) -> np.ndarray:
+    if not set(map(type, values)) <= _INT_TYPES:
+        raise CorruptDumpError(f"{source}: entry field {what!r} holds a non-integer")
     try:
         out = np.array([0 if v is None else v for v in values], dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
@@ -230,18 +320,79 @@ def _bad(source: str, what: str) -> NoReturn:
     raise CorruptDumpError(f"{source}: {what}")
 
 
-def _sizes_numel(sizes: Any) -> int:
+def _sizes_numel(sizes: Any, limits: Limits = DEFAULT_LIMITS) -> int:
     """Elements in ``sizes`` (a list of shapes); shapes that are not lists of ints count 0.
 
-    Raises ``OverflowError`` past int64 (a corrupt dump).
+    Raises ``OverflowError`` past int64 and ``LimitExceededError`` for a shape of
+    more than ``limits.max_dims`` dims (a corrupt dump); products are bounded in
+    floating point first, so a hostile shape never builds a huge integer.
     """
     if not isinstance(sizes, list | tuple):
         return 0
     numel = 0
+    shape_numel: dict[int, int] = {}
     for shape in sizes:
-        if isinstance(shape, list | tuple) and all(isinstance(d, int) for d in shape):
-            numel += math.prod(shape)
+        hit = shape_numel.get(id(shape))
+        if hit is None:
+            hit = shape_numel[id(shape)] = _shape_numel(shape, limits)
+        numel += hit
+        if numel >= _MAX_NUMEL:
+            raise OverflowError("tensor sizes past 2**62 elements")
     return numel
+
+
+def _shape_numel(shape: Any, limits: Limits) -> int:
+    if not isinstance(shape, list | tuple):
+        return 0
+    if len(shape) > limits.max_dims:
+        raise LimitExceededError(f"a tensor shape of {len(shape)} dims (limit {limits.max_dims})")
+    if not all(isinstance(d, int) for d in shape):
+        return 0
+    if math.prod(float(d) for d in shape) >= _MAX_NUMEL:
+        raise OverflowError("tensor sizes past 2**62 elements")
+    return math.prod(shape)
+
+
+def _sizes_text(sizes: Any, limits: Limits) -> str:
+    """``str(sizes)`` for a list of shapes of ints, bounded: never recurses past
+    two levels, and a text of more than ``limits.max_shape_text_dims`` dims
+    becomes a summary (the C scanner leaves those to this reader)."""
+    if sizes is None:
+        return "None"
+    if not isinstance(sizes, list | tuple):
+        return _cut(_as_str(sizes), limits)
+    if set(map(type, sizes)) <= _SEQ_TYPES:  # the usual case, checked at C speed
+        dims_total = sum(map(len, sizes))
+        if (dims_total <= limits.max_shape_text_dims
+                and max(map(len, sizes), default=0) <= limits.max_dims
+                and set(map(type, chain.from_iterable(sizes))) <= {int}):
+            return str(sizes)
+    dims = 0
+    for shape in sizes:
+        if not isinstance(shape, list | tuple) or not set(map(type, shape)) <= {int}:
+            return f"<{len(sizes)} malformed shapes>"
+        dims += len(shape)
+        if dims > limits.max_shape_text_dims or len(shape) > limits.max_dims:
+            return f"<{len(sizes)} shapes, more than {limits.max_shape_text_dims} dims>"
+    return str(sizes)
+
+
+def _dtypes_text(dtypes: Any, limits: Limits) -> str:
+    """``",".join`` of a dtype list, with the total length bounded."""
+    if not dtypes:
+        return ""
+    if not isinstance(dtypes, list | tuple):
+        return _as_str(dtypes)
+    if set(map(type, dtypes)) <= {str} and sum(map(len, dtypes)) + len(dtypes) <= limits.max_string_chars:
+        return ",".join(dtypes)  # the usual case, at C speed
+    parts = []
+    total = 0
+    for part in map(_as_str, dtypes):
+        parts.append(part)
+        total += len(part) + 1
+        if total > limits.max_string_chars:
+            return _cut(",".join(parts), limits)
+    return ",".join(parts)
 
 
 def _pg_key(pgt: Any, pg_id: Any) -> tuple[str, str]:
@@ -257,8 +408,10 @@ def _state_of(value: Any) -> int:
 class _Context:
     """What both column readers share: the string table, groups, op kinds."""
 
-    def __init__(self, config: dict[str, tuple[str, tuple[int, ...] | None]]) -> None:
+    def __init__(self, config: dict[str, tuple[str, tuple[int, ...] | None]],
+                 limits: Limits = DEFAULT_LIMITS) -> None:
         self.config = config
+        self.limits = limits
         self.strings = _Table()
         self.group_index: dict[str, int] = {}
         self.groups: list[GroupInfo] = []
@@ -273,7 +426,8 @@ class _Context:
         if i is None:
             cfg_desc, ranks = self.config.get(name, ("", None))
             i = self.group_index[name] = len(self.groups)
-            self.groups.append(GroupInfo(name=name, desc=desc or cfg_desc, ranks=ranks))
+            self.groups.append(GroupInfo(name=_cut(name, self.limits),
+                                         desc=_cut(desc or cfg_desc, self.limits), ranks=ranks))
         return i
 
     def _new_op_kind(self, profiling_name: Any) -> int:
@@ -307,6 +461,7 @@ class _Columns(NamedTuple):
 
 
 _SEQ_TYPES: Final = frozenset({list, tuple})
+_STR_TYPES: Final = frozenset({str, type(None)})
 _MAX_NUMEL: Final = float(1 << 62)  # beyond this, int64 products or sums could overflow
 _BULK_KEYS: Final = (
     "process_group", "profiling_name", "is_p2p", "input_sizes", "output_sizes", "input_dtypes",
@@ -315,18 +470,29 @@ _BULK_KEYS: Final = (
 )
 
 
-def _bulk_numel(column: Sequence[Any]) -> np.ndarray:
+def _bulk_numel(column: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
     """``_sizes_numel`` of a whole column, or ``_Irregular`` unless every shape is well formed.
 
     Shapes and dims are flattened and typed at C speed and multiplied in numpy;
     types are checked before any arithmetic, so a hostile ``[["x", 10**9]]``
-    never multiplies a string.
+    never multiplies a string. A list object shared by many entries (a pickle's
+    memo) is flattened once.
     """
     if not set(map(type, column)) <= _SEQ_TYPES:
         raise _Irregular
+    keys = list(map(id, column))
+    distinct = dict(zip(keys, column, strict=True))
+    if len(distinct) < len(column):
+        once = _bulk_numel(list(distinct.values()), limits)
+        row_of = dict(zip(distinct, range(len(distinct)), strict=True))
+        shared: np.ndarray = once[np.fromiter(map(row_of.__getitem__, keys), dtype=np.intp,
+                                              count=len(keys))]
+        return shared
     shapes = list(chain.from_iterable(column))
     if not set(map(type, shapes)) <= _SEQ_TYPES:
         raise _Irregular
+    if len(shapes) and max(map(len, shapes)) > limits.max_dims:
+        raise _Irregular  # the general reader says which limit
     dims = np.array(list(chain.from_iterable(shapes)))
     if dims.size and (dims.ndim != 1 or dims.dtype.kind != "i" or dims.min() < 0):
         raise _Irregular  # nested, bool, float, str, huge or negative dims: the general reader
@@ -347,7 +513,12 @@ def _bulk_numel(column: Sequence[Any]) -> np.ndarray:
     return numel
 
 
+_INT_TYPES: Final = frozenset({int, bool, type(None)})
+
+
 def _bulk_int(column: Sequence[Any], *, none_is_zero: bool) -> np.ndarray:
+    if not set(map(type, column)) <= _INT_TYPES:
+        raise _Irregular  # lists (maybe one shared list) in an integer field
     if none_is_zero:
         column = [0 if v is None else v for v in column]
     out = np.array(column, dtype=np.int64)
@@ -362,7 +533,8 @@ def _mark_finished(state: np.ndarray, retired: np.ndarray, t_complete: np.ndarra
     state[retired | (t_complete != 0)] = OpState.COMPLETED
 
 
-def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
+def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context,
+                  limits: Limits = DEFAULT_LIMITS) -> _Columns:
     """Column-at-a-time reader for uniform documents (every entry has every key).
 
     Each field is pulled for all entries with C-level ``map``; distinct values
@@ -378,15 +550,20 @@ def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
 
     group = _Memo(lambda pgt: ctx.group_of(*_pg_key(pgt, None)))
     pgs = col["process_group"]
-    if not set(map(type, pgs)) <= _SEQ_TYPES or not all(pgs):
-        raise _Irregular  # the pg_id fallback is the general reader's business
+    if not set(map(type, pgs)) <= _SEQ_TYPES or not all(pgs) or max(map(len, pgs), default=0) > 2:
+        raise _Irregular  # the pg_id fallback (and odd tuples) are the general reader's business
+    for key in ("profiling_name", "state"):
+        if not set(map(type, col[key])) <= _STR_TYPES:
+            raise _Irregular  # hashing a shared container per entry: the general reader
     pg = np.fromiter(map(group.__getitem__, pgs), dtype=np.int32, count=n)
     op_kind = np.fromiter(map(ctx.op_kind.__getitem__, col["profiling_name"]), dtype=np.int32, count=n)
     is_p2p = np.fromiter(map(bool, col["is_p2p"]), dtype=np.bool_, count=n).view(np.uint8)
-    in_numel = _bulk_numel(col["input_sizes"])
-    out_numel = _bulk_numel(col["output_sizes"])
+    in_numel = _bulk_numel(col["input_sizes"], limits)
+    out_numel = _bulk_numel(col["output_sizes"], limits)
     in_dtypes = np.fromiter(
-        map(ctx.strings.__getitem__, map(",".join, col["input_dtypes"])), dtype=np.int32, count=n
+        map(ctx.strings.__getitem__,
+            _by_identity(col["input_dtypes"], lambda d: _dtypes_text(d, limits))),
+        dtype=np.int32, count=n,
     )
     states = _Memo(_state_of)
     state = np.fromiter(map(states.__getitem__, col["state"]), dtype=np.uint8, count=n)
@@ -414,7 +591,8 @@ def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context) -> _Columns:
     )
 
 
-def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str) -> _Columns:
+def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str,
+                     limits: Limits = DEFAULT_LIMITS) -> _Columns:
     """Entry-at-a-time reader: any 2.x schema, absent keys, odd types."""
     n = len(entries)
     pg = np.empty(n, dtype=np.int32)
@@ -426,16 +604,33 @@ def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str) 
     state = np.empty(n, dtype=np.uint8)
     retired = np.zeros(n, dtype=np.bool_)
     strings = ctx.strings
+    numel_of: dict[int, int] = {}
+    dtypes_of: dict[int, int] = {}
+
+    def numel(sizes: Any) -> int:
+        hit = numel_of.get(id(sizes))
+        if hit is None:
+            hit = numel_of[id(sizes)] = _sizes_numel(sizes, limits)
+        return hit
+
+    def dtypes(value: Any) -> int:
+        hit = dtypes_of.get(id(value))
+        if hit is None:
+            hit = dtypes_of[id(value)] = strings[_dtypes_text(value, limits)]
+        return hit
+
     try:
         for i, e in enumerate(entries):
             pg[i] = ctx.group_of(*_pg_key(e.get("process_group"), e.get("pg_id")))
             kind = op_kind[i] = ctx.op_kind[_as_str(e.get("profiling_name"))]
             is_p2p[i] = bool(e.get("is_p2p", ctx.op_kinds[kind][2]))
-            in_numel[i] = _sizes_numel(e.get("input_sizes"))
-            out_numel[i] = _sizes_numel(e.get("output_sizes"))
-            in_dtypes[i] = strings[",".join(map(_as_str, e.get("input_dtypes") or ()))]
+            in_numel[i] = numel(e.get("input_sizes"))
+            out_numel[i] = numel(e.get("output_sizes"))
+            in_dtypes[i] = dtypes(e.get("input_dtypes"))
             state[i] = _state_of(e.get("state"))
             retired[i] = e.get("retired") is True
+    except LimitExceededError as exc:
+        raise LimitExceededError(f"{source}: {exc}") from None
     except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         _bad(source, f"malformed entry ({type(exc).__name__}: {exc})")
 
@@ -478,7 +673,8 @@ class _Details(NamedTuple):
 
 
 def _read_details(
-    entries: list[dict[str, Any]], rows: Iterable[int], strings: _Table, source: str
+    entries: list[dict[str, Any]], rows: Iterable[int], strings: _Table, source: str,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> _Details:
     """Shapes, output dtypes and thread of the entries at ``rows`` (others: ``NO_INDEX``)."""
     n = len(entries)
@@ -486,13 +682,23 @@ def _read_details(
     out_shapes = np.full(n, NO_INDEX, dtype=np.int32)
     out_dtypes = np.full(n, NO_INDEX, dtype=np.int32)
     thread = np.full(n, NO_INDEX, dtype=np.int32)
+    memo: dict[tuple[int, int], int] = {}  # (which, id(value)): each shared object once
+
+    def text(which: int, value: Any) -> int:
+        key = (which, id(value))
+        hit = memo.get(key)
+        if hit is None:
+            hit = memo[key] = strings[_dtypes_text(value, limits) if which == 2
+                                      else _sizes_text(value, limits)]
+        return hit
+
     try:
         for i in rows:
             e = entries[i]
-            in_shapes[i] = strings[str(e.get("input_sizes"))]
-            out_shapes[i] = strings[str(e.get("output_sizes"))]
-            out_dtypes[i] = strings[",".join(map(_as_str, e.get("output_dtypes") or ()))]
-            thread[i] = strings[_as_str(e.get("thread_name"))]
+            in_shapes[i] = text(0, e.get("input_sizes"))
+            out_shapes[i] = text(1, e.get("output_sizes"))
+            out_dtypes[i] = text(2, e.get("output_dtypes"))
+            thread[i] = strings[_cut(_as_str(e.get("thread_name")), limits)]
     except (TypeError, ValueError, AttributeError, OverflowError) as exc:
         _bad(source, f"malformed entry ({type(exc).__name__}: {exc})")
     return _Details(in_shapes, out_shapes, out_dtypes, thread)
@@ -508,8 +714,9 @@ class _Stacks:
     (no memo) get one key per entry and are deduplicated by content.
     """
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, limits: Limits = DEFAULT_LIMITS) -> None:
         self.source = source
+        self.limits = limits
         self.stacks: list[tuple[Frame, ...]] = []
         self._by_content: dict[tuple[Frame, ...], int] = {}
         self._frame_of: dict[int, Frame] = {}
@@ -521,8 +728,19 @@ class _Stacks:
         frame_lists: list[Any] = list(map(dict.get, entries, repeat("frames")))
         if not set(map(type, frame_lists)) <= _SEQ_TYPES:
             return np.fromiter(map(self._one, frame_lists), dtype=np.int32, count=n)
-        id_maps: Iterator[Iterable[int]] = map(map, repeat(id), frame_lists)
-        keys = list(map(tuple, id_maps))
+        if len(set(map(id, frame_lists))) == n:  # every entry its own list (the usual case)
+            id_maps: Iterator[Iterable[int]] = map(map, repeat(id), frame_lists)
+            keys = list(map(tuple, id_maps))
+        else:
+            # one key per distinct list object: entries sharing one long frames
+            # list cost that list once, not once per entry
+            key_of: dict[int, tuple[int, ...]] = {}
+            keys = []
+            for frames in frame_lists:
+                key = key_of.get(id(frames))
+                if key is None:
+                    key = key_of[id(frames)] = tuple(map(id, frames))
+                keys.append(key)
         self._frames_of_key = dict(zip(keys, frame_lists, strict=True))
         try:
             return np.fromiter(map(self._by_ids.__getitem__, keys), dtype=np.int32, count=n)
@@ -559,7 +777,8 @@ class _Stacks:
         if hit is None:
             if not isinstance(f, Mapping):
                 raise TypeError(f"frame is a {type(f).__name__}")
-            hit = Frame(_as_str(f.get("filename")), int(f.get("line") or 0), _as_str(f.get("name")))
+            hit = Frame(_cut(_as_str(f.get("filename")), self.limits), int(f.get("line") or 0),
+                        _cut(_as_str(f.get("name")), self.limits))
             if isinstance(f, dict):  # ids of objects alive for the whole call only
                 self._frame_of[id(f)] = hit
         return hit
@@ -597,8 +816,9 @@ def to_trace(
     rank: int | None,
     rank_from: str = "filename",
     detail_tail: int | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> RankTrace:
-    """Normalize a decoded native document into a :class:`RankTrace`.
+    """Normalize a decoded native document into a :class:`RankTrace`, within ``limits``.
 
     ``rank`` comes from the file name (native dumps carry none); a top-level
     ``rank`` key, where a writer added one, wins.
@@ -613,27 +833,32 @@ def to_trace(
     resolved once). Formatting the shapes of 2000 entries costs a third of
     decoding the pickle; an analysis shows a few dozen.
     """
-    header = _header(doc, source=source, rank=rank, rank_from=rank_from)
+    header = _header(doc, source=source, rank=rank, rank_from=rank_from, limits=limits)
     entries = doc.get("entries") or []
     if not isinstance(entries, list):
         _bad(source, "'entries' is not a list of records")
+    if len(entries) > limits.max_entries:
+        raise LimitExceededError(f"{source}: {len(entries)} entries (limit {limits.max_entries} "
+                                 "per rank)")
     if not set(map(type, entries)) <= {dict}:
         if not all(isinstance(e, Mapping) for e in entries):
             _bad(source, "'entries' is not a list of records")
         entries = [dict(e) for e in entries]
 
-    ctx = _Context(header.config)
+    ctx = _Context(header.config, limits)
     try:
-        cols = _columns_bulk(entries, ctx)
+        cols = _columns_bulk(entries, ctx, limits)
     except (_Irregular, KeyError, TypeError, ValueError, OverflowError):
-        ctx = _Context(header.config)  # start clean: the general reader interns in its own order
-        cols = _columns_general(entries, ctx, source)
+        ctx = _Context(header.config, limits)  # start clean: the general reader interns in its own order
+        cols = _columns_general(entries, ctx, source, limits)
 
     n = len(entries)
-    details = _read_details(entries, _detail_rows(cols, n, detail_tail), ctx.strings, source)
-    stacks = _Stacks(source)
+    details = _read_details(entries, _detail_rows(cols, n, detail_tail), ctx.strings, source,
+                            limits)
+    stacks = _Stacks(source, limits)
     stack = stacks.column(entries)
-    return _assemble(n, ctx, cols, details, tuple(stacks.stacks), stack, header, source, fmt)
+    return _assemble(n, ctx, cols, details, tuple(stacks.stacks), stack, header, source, fmt,
+                     limits)
 
 
 class _Header(NamedTuple):
@@ -642,6 +867,25 @@ class _Header(NamedTuple):
     rank_from: str
     config: dict[str, tuple[str, tuple[int, ...] | None]]
     notes: tuple[str, ...] = ()
+    #: sum over groups of ``pg_status[...]["last_enqueued_collective"]`` (None: absent)
+    enqueued_total: int | None = None
+
+
+def _enqueued_total(pg_status: Any) -> int | None:
+    """Sum of every group's ``last_enqueued_collective`` (ints in pickles, strings in JSON)."""
+    if not isinstance(pg_status, Mapping):
+        return None
+    total = 0
+    for status in pg_status.values():
+        if not isinstance(status, Mapping):
+            return None
+        raw = status.get("last_enqueued_collective")
+        if isinstance(raw, str) and raw.lstrip("-").isdigit() and len(raw) < 19:
+            raw = int(raw)
+        if not isinstance(raw, int) or isinstance(raw, bool) or not -1 <= raw < 1 << 53:
+            return None
+        total += max(raw, 0)
+    return total
 
 
 #: the newest schema this reader was written against (torch 2.13-2.15 write "2.10")
@@ -676,7 +920,8 @@ def _version_notes(version: str, unknown: set[str]) -> tuple[str, ...]:
 
 
 def _header(
-    doc: Any, *, source: str, rank: int | None, rank_from: str, scanned: bool = False
+    doc: Any, *, source: str, rank: int | None, rank_from: str, scanned: bool = False,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> _Header:
     """What a document says besides its entries: version, rank, group membership.
 
@@ -694,19 +939,26 @@ def _header(
     if not isinstance(pg_config, Mapping):
         pg_config = {}
     config: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    ranks_of: dict[int, tuple[int, ...] | None] = {}  # a ranks string shared by many groups: once
     for key, cfg in pg_config.items():
         if not isinstance(cfg, Mapping):
             continue
-        name = _as_str(cfg.get("name")) or _as_str(key)
+        name = _cut(_as_str(cfg.get("name")) or _as_str(key), limits)
         if not name:
             continue  # gloo writes {'': {name: '', desc: '', ranks: '[]'}}
-        config[name] = (_as_str(cfg.get("desc")), _parse_ranks(cfg.get("ranks")))
-    version = _as_str(doc.get("version"))
-    unknown = {k for k in doc if k not in _KNOWN_TOP_KEYS}
+        raw = cfg.get("ranks")
+        if id(raw) not in ranks_of:
+            ranks_of[id(raw)] = _parse_ranks(raw, limits)
+        config[name] = (_cut(_as_str(cfg.get("desc")), limits), ranks_of[id(raw)])
+    version = _cut(_as_str(doc.get("version")), limits)
+    # keys are named through _as_str: a tuple key is never stringified in depth
+    unknown = {_as_str(k)[:40] for k in doc if k not in _KNOWN_TOP_KEYS}
     entries = doc.get("entries")
     if not scanned and isinstance(entries, list) and entries and isinstance(entries[0], Mapping):
-        unknown |= {f"entries[].{k}" for k in entries[0] if k not in _KNOWN_ENTRY_KEYS}
-    return _Header(version, rank, rank_from, config, _version_notes(version, unknown))
+        unknown |= {f"entries[].{_as_str(k)[:40]}" for k in entries[0]
+                    if k not in _KNOWN_ENTRY_KEYS}
+    return _Header(version, rank, rank_from, config, _version_notes(version, unknown),
+                   _enqueued_total(doc.get("pg_status")))
 
 
 def _detail_rows(cols: _Columns, n: int, detail_tail: int | None) -> Iterable[int]:
@@ -728,7 +980,9 @@ def _assemble(
     header: _Header,
     source: str,
     fmt: SourceFormat,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> RankTrace:
+    _check_ranges(cols, source, limits)
     group_tuple = tuple(ctx.groups)
     if len(ctx.backends) == 1:
         # the profiling names' prefix says which backend wrote the states
@@ -736,6 +990,7 @@ def _assemble(
         backend = next(iter(ctx.backends))
         group_tuple = tuple(GroupInfo(g.name, g.desc, g.ranks, backend) for g in group_tuple)
     op_lut = np.array([k[0] for k in ctx.op_kinds] or [NO_INDEX], dtype=np.int32)
+    unrecorded = _unrecorded_ops(cols, ctx, header)
     table = EntryTable.from_columns(
         n,
         {
@@ -761,6 +1016,9 @@ def _assemble(
             "stack": stack,
         },
     )
+    strings = ctx.strings.strings
+    if strings and max(map(len, strings)) > limits.max_string_chars:
+        strings = [_cut(x, limits) for x in strings]
     return RankTrace(
         rank=header.rank,
         rank_from=header.rank_from if header.rank is not None else "unknown",
@@ -768,11 +1026,61 @@ def _assemble(
         format=fmt,
         version=header.version,
         groups=group_tuple,
-        strings=tuple(ctx.strings.strings),
+        strings=tuple(strings),
         stacks=stacks,
         entries=table,
-        notes=header.notes,
+        notes=(*header.notes, *_unknown_notes(cols, n)),
+        unrecorded_ops=unrecorded,
     )
+
+
+def _unrecorded_ops(cols: _Columns, ctx: _Context, header: _Header) -> int:
+    """Ops gloo counted in ``pg_status`` but never recorded (its send/recv).
+
+    On gloo every work bumps the group's ``seq_`` (``last_enqueued_collective``)
+    while only collectives are recorded, each with its own
+    ``collective_seq_id``; the difference of the sums over groups is the rank's
+    p2p ops. NCCL's ``pg_status`` mixes p2p and collective seqs differently (and
+    NCCL records p2p), so this is computed for gloo dumps only.
+    """
+    if header.enqueued_total is None or ctx.backends != {"gloo"} or not len(cols.seq):
+        return 0
+    coll = cols.is_p2p == 0
+    recorded = 0
+    for g in np.unique(cols.pg[coll]).tolist():
+        recorded += max(int(cols.seq[coll & (cols.pg == g)].max()), 0)
+    return max(header.enqueued_total - recorded, 0)
+
+
+def _check_ranges(cols: _Columns, source: str, limits: Limits) -> None:
+    """Numbers the analyzer counts with, within their domains (damage is a load problem)."""
+    if not len(cols.seq):
+        return
+    for name in ("seq", "p2p_seq"):
+        col = getattr(cols, name)
+        if int(col.min()) < NO_INDEX or int(col.max()) >= limits.max_seq:
+            raise CorruptDumpError(f"{source}: a {name} of {int(col.max())} or "
+                                   f"{int(col.min())} is not plausible (limit {limits.max_seq})")
+    for name in ("t_enqueue", "t_start", "t_complete", "timeout_ms"):
+        col = getattr(cols, name)
+        if int(col.min()) < 0 or int(col.max()) >= 1 << 62:
+            raise CorruptDumpError(f"{source}: entry field {name} holds an implausible value")
+
+
+#: PyTorch's field names of the columns whose absence makes a judgement impossible.
+_JUDGED_FIELDS: Final = (("t_enqueue", "time_created_ns", "how long it waited"),
+                         ("timeout_ms", "timeout_ms", "whether it passed its timeout"))
+
+
+def _unknown_notes(cols: _Columns, n: int) -> tuple[str, ...]:
+    """A note per field missing (absent, null or 0) in some entries: an unknown, never a 0."""
+    notes = []
+    for column, field, what in _JUDGED_FIELDS:
+        missing = int(np.count_nonzero(getattr(cols, column) == 0)) if n else 0
+        if missing:
+            notes.append(f"{field} missing in {missing} of {n} entries: "
+                         f"{what} is unknown for them")
+    return tuple(notes)
 
 
 # ---- the C scanner's path -------------------------------------------------------
@@ -798,6 +1106,7 @@ def pickle_to_trace(
     source: str,
     rank: int | None,
     detail_tail: int | None = None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> RankTrace:
     """A native pickle dump's :class:`RankTrace`: ``to_trace(decode_pickle(data), ...)``.
 
@@ -809,15 +1118,16 @@ def pickle_to_trace(
     except a stream the scanner finds certainly malformed (truncated, stack
     underflow, a memo index past the end of the file...), refused at once.
     """
-    scanned = _picklescan.scan(data) if scanner_available() else None
+    scanned = (_picklescan.scan(data, limits.max_dims, limits.max_shape_text_dims,
+                                limits.max_string_chars) if scanner_available() else None)
     if isinstance(scanned, str):
         raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
     if scanned is None:
         doc = decode_pickle(data, source=source)
-        return to_trace(
-            doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank, detail_tail=detail_tail
-        )
-    return _trace_from_scan(scanned, source=source, rank=rank, detail_tail=detail_tail)
+        return to_trace(doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank,
+                        detail_tail=detail_tail, limits=limits)
+    return _trace_from_scan(scanned, source=source, rank=rank, detail_tail=detail_tail,
+                            limits=limits)
 
 
 def _first_seen(codes: np.ndarray, fill: Callable[[int], int], dtype: Any) -> np.ndarray:
@@ -836,17 +1146,21 @@ def _first_seen(codes: np.ndarray, fill: Callable[[int], int], dtype: Any) -> np
 
 
 def _trace_from_scan(
-    sc: dict[str, Any], *, source: str, rank: int | None, detail_tail: int | None
+    sc: dict[str, Any], *, source: str, rank: int | None, detail_tail: int | None,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> RankTrace:
     """The :class:`RankTrace` of a document the C scanner read (same as :func:`to_trace`)."""
-    header = _header(sc["doc"], source=source, rank=rank, rank_from="filename", scanned=True)
+    header = _header(sc["doc"], source=source, rank=rank, rank_from="filename", scanned=True,
+                     limits=limits)
     strings: list[str] = sc["strings"]
     n: int = sc["n"]
+    if n > limits.max_entries:
+        raise LimitExceededError(f"{source}: {n} entries (limit {limits.max_entries} per rank)")
 
     def col(name: str, dtype: Any) -> np.ndarray:
         return np.frombuffer(sc[name], dtype=dtype)
 
-    ctx = _Context(header.config)
+    ctx = _Context(header.config, limits)
     width = len(strings)
     pg = _first_seen(
         col("pg_name", np.int32).astype(np.int64) * width + col("pg_desc", np.int32),
@@ -897,9 +1211,8 @@ def _trace_from_scan(
     stacks = tuple(
         tuple(frames[f] for f in flat[lo:hi]) for lo, hi in pairwise(offsets)
     )
-    return _assemble(
-        n, ctx, cols, details, stacks, col("stack", np.int32), header, source, SourceFormat.NATIVE_PICKLE
-    )
+    return _assemble(n, ctx, cols, details, stacks, col("stack", np.int32), header, source,
+                     SourceFormat.NATIVE_PICKLE, limits)
 
 
 def _is_default_group(group: GroupInfo) -> bool:

@@ -25,7 +25,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -50,6 +50,7 @@ __all__ = [
     "enable",
     "is_enabled",
     "last_verdict",
+    "note_reconfigure",
     "rearm",
     "request_verdict",
     "session",
@@ -88,6 +89,31 @@ _prev_excepthook = sys.excepthook
 def session() -> Session | None:
     """The running recorder (None when off)."""
     return _session
+
+
+def note_reconfigure(group: Any, *, uuid: int, old_members: Sequence[int],
+                     members: Sequence[int], reason: str = "") -> None:
+    """Tell the recorder that ``group`` was re-formed over ``members`` (recorder/_reconfig.py).
+
+    Called by ``frforensics.recovery`` after each ``_reconfigure``; never raises.
+    """
+    s = _session
+    if s is None:
+        return
+    try:
+        from frforensics.recorder._reconfig import Reconfigurations, reconfigured
+
+        log = _state_reconfig.get("log")
+        if log is None:
+            log = _state_reconfig["log"] = Reconfigurations()
+            s.writer.note_providers.append(log.notes)
+        reconfigured(s.rec, group, uuid=uuid, old_members=old_members, members=members,
+                     reason=reason, log=log)
+    except Exception as exc:
+        s.rec.note_error("note_reconfigure", exc)
+
+
+_state_reconfig: dict[str, Any] = {}
 
 
 def is_enabled() -> bool:
@@ -191,7 +217,7 @@ def start(config: RecorderConfig) -> Session | None:
             _stop(old)
         rec = Recorder(config)
         writer = DumpWriter(rec)
-        writer.native_source = _c10d.native_dump_bytes
+        writer.native_source = _c10d.native_dumps
         sess = Session(rec, writer)
         from frforensics.recorder._verdict import VerdictAgent
 

@@ -320,19 +320,73 @@ def build_group(recorder: Recorder, req: GroupRequest, opts: Any,
     )
     # A plain "gloo" maps cuda to gloo too: CUDA matters only where it exists.
     state.cuda = "cuda" in backends and _cuda_available()
-    pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, backends,
-                               default_device)
     for device, inner in backends.items():
-        pg._register_backend(torch.device(device), _backend_type(dmap[device]), inner)
-    pg._set_default_backend(_backend_type(dmap[default_device]))
+        _note_native_source(dmap[device], inner)
     bound = req.device_id
     torch_pg = getattr(opts, "process_group", None)
     if torch_pg is not None and getattr(torch_pg, "bound_device_id", None) is not None:
         bound = torch_pg.bound_device_id  # nccl2 binds a device when none was given
+    dispatch, hook = _hooked_dispatch(req, opts, dmap, backends, default_device, ranks,
+                                      prefix_store, bound)
+    pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, dispatch,
+                               default_device, store=prefix_store)
+    pg._frf_fr_hook = hook
+    for device, inner in backends.items():
+        pg._register_backend(torch.device(device), _backend_type(dmap[device]), inner)
+    pg._set_default_backend(_backend_type(dmap[default_device]))
     if bound is not None:
         with contextlib.suppress(Exception):
             pg.bound_device_id = bound
     return pg
+
+
+def _self_recording(name: str) -> bool:
+    """Whether torch counts ``name`` as feeding a FlightRecorder by itself (2.15)."""
+    names = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    return names is None or name in names
+
+
+def _hooked_dispatch(req: GroupRequest, opts: Any, dmap: dict[str, str],
+                     backends: dict[str, Any], default_device: str, ranks: tuple[int, ...],
+                     prefix_store: Any, bound: Any) -> tuple[dict[str, Any], Any]:
+    """Per device, what the wrapper calls: the backend, or a hooked inner group.
+
+    torch 2.15 (``_maybe_attach_flight_recorder``) attaches a C++
+    ``FlightRecorderHook`` to groups whose backends do not record themselves
+    (nccl2, nccl-lazy, plugins); its pre/post hooks fire in c10d's dispatcher
+    kernels (Ops.cpp), which the wrapper's Python methods never reach. So for
+    those devices the wrapper calls a plain ``ProcessGroup`` built like torch's
+    (same backends, name, desc, bound device) with torch's own hook attached by
+    torch's own function: the native entries are exactly those torch would
+    record, once. Self-recording backends (gloo, legacy nccl) are called
+    directly. On 2.13 (no hook) every device calls its backend.
+    """
+    attach = getattr(c10d, "_maybe_attach_flight_recorder", None)
+    hooks = getattr(c10d._world, "pg_flight_recorder_hooks", None)
+    if attach is None or not isinstance(hooks, dict) or all(
+            _self_recording(n) for n in dmap.values()):
+        return backends, None
+    try:
+        inner_pg = dist.ProcessGroup(
+            getattr(opts.store, "underlying_store", None) or opts.store,
+            opts.group_rank, opts.group_size)
+        for device, backend in backends.items():
+            inner_pg._register_backend(torch.device(device), _backend_type(dmap[device]),
+                                       backend)
+        inner_pg._set_default_backend(_backend_type(dmap[default_device]))
+        inner_pg._set_group_name(str(opts.group_id))
+        inner_pg._set_group_desc(req.group_desc or "undefined")
+        if bound is not None:
+            inner_pg.bound_device_id = bound
+        attach(inner_pg, c10d.BackendConfig(req.backend), list(ranks))
+        hook = hooks.pop(inner_pg, None)
+    except Exception as exc:
+        raise RuntimeError(f"attaching torch's FlightRecorderHook failed: {exc}") from exc
+    if hook is None:  # TORCH_FR_BUFFER_SIZE=0: torch attaches nothing either
+        return backends, None
+    dispatch = {device: (backend if _self_recording(dmap[device]) else inner_pg)
+                for device, backend in backends.items()}
+    return dispatch, hook
 
 
 def creator(opts: Any, backend_options: Any = None) -> Any:
@@ -396,6 +450,8 @@ def install(recorder: Recorder) -> None:
         _install_helper()
     if "batch" not in _installed and not _optional_missing():
         _install_batch()
+    if "split" not in _installed and callable(getattr(c10d, "split_group", None)):
+        _install_split()
 
 
 def _install_helper() -> None:
@@ -455,7 +511,21 @@ def _install_helper() -> None:
 
 def _adopt(rec: Recorder, pg: RecordingProcessGroup, backend: str, store: Any,
            is_default: bool) -> None:
-    """Make the new group look like torch's own: its real backend name, name, desc."""
+    """Make the new group look like torch's own: its real backend name, name, desc.
+
+    torch 2.15 attached a FlightRecorderHook to the wrapper (our plugin name is
+    not self-recording); it would never fire (see ``_hooked_dispatch``): it is
+    replaced by the hook on the inner group, or dropped where torch would attach
+    none, and kept in ``_world`` so ``destroy_process_group`` releases it.
+    """
+    hooks = getattr(c10d._world, "pg_flight_recorder_hooks", None)
+    if isinstance(hooks, dict):
+        with contextlib.suppress(Exception):
+            stray = hooks.pop(pg, None)
+            if stray is not None:
+                stray.remove()
+            if pg._frf_fr_hook is not None:
+                hooks[pg] = pg._frf_fr_hook
     with contextlib.suppress(Exception):
         c10d._world.pg_map[pg] = (backend, c10d._world.pg_map[pg][1])
         c10d._world.pg_backend_config[pg] = str(c10d.BackendConfig(backend))
@@ -494,7 +564,7 @@ def _install_batch() -> None:
                 group = c10d._get_default_group()
             device = p2p_op_list[0].tensor.device if p2p_op_list else None
             batched = isinstance(group, RecordingProcessGroup) and bool(
-                group._frf_inner_for_device(device).supports_coalescing)
+                group._get_backend(device).supports_coalescing)
         except Exception:
             batched = False
         if not batched:
@@ -515,6 +585,106 @@ def _install_batch() -> None:
         dist.batch_isend_irecv = batch_isend_irecv
 
 
+def _install_split() -> None:
+    original = c10d.split_group
+
+    def split_group(*args: Any, **kwargs: Any) -> Any:
+        pg = original(*args, **kwargs)
+        rec = _installed.get("recorder")
+        if (rec is None or not isinstance(pg, dist.ProcessGroup)
+                or isinstance(pg, RecordingProcessGroup)):
+            return pg
+        try:
+            backend = str(c10d._world.pg_map[pg][0])
+            if not _routes(rec, backend):
+                return pg
+            return wrap_split(rec, pg, backend)
+        except Exception as exc:
+            name = getattr(pg, "group_name", "?")
+            rec.unrecorded.append(f"split group {name}: {type(exc).__name__}: {exc}")
+            say(f"split group {name} not recorded ({type(exc).__name__}: {exc}); "
+                "it works as torch made it")
+            return pg
+
+    split_group.__wrapped__ = original  # type: ignore[attr-defined]
+    _installed["split"] = original
+    c10d.split_group = split_group
+    if getattr(dist, "split_group", None) is original:
+        dist.split_group = split_group
+    mesh: Any = sys.modules.get("torch.distributed.device_mesh")
+    if mesh is not None and getattr(mesh, "split_group", None) is original:
+        mesh.split_group = split_group  # DeviceMesh imported it by name
+
+
+_WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                 "pg_coalesce_state", "pg_flight_recorder_hooks")
+
+
+def wrap_split(rec: Recorder, split: Any, backend: str) -> RecordingProcessGroup:
+    """The recording wrapper around a group ``split_group`` made, put in its place.
+
+    ``split_group`` builds its group with the parent's C++ ``splitGroup`` (no
+    creator runs), registers it in ``_world`` and c10d's group registry, and on
+    2.15 attaches torch's FlightRecorderHook to it. The wrapper serves each device
+    with the split backend (self-recording ones) or through the split group itself
+    (so the hook still fires), and takes the split group's place in every
+    ``_world`` table and in the registry (functional collectives resolve groups by
+    name there). The split group stays alive as the wrapper's inner group.
+    """
+    world = c10d._world
+    devices = [str(d.type) for d in split._device_types]
+    full = _device_map(backend)
+    dmap = {d: full.get(d, backend) for d in devices}
+    backends = {d: split._get_backend(torch.device(d)) for d in devices}
+    mapping = world.pg_group_ranks[split]  # global rank -> group rank
+    ranks = tuple(int(g) for g, _ in sorted(mapping.items(), key=lambda kv: kv[1]))
+    default_device = ("cuda" if "cuda" in backends and any(
+        n.startswith("nccl") for n in dmap.values()) else devices[0])
+    timeout_ms = 0
+    with contextlib.suppress(Exception):
+        timeout_ms = int(backends[default_device].options._timeout.total_seconds() * 1000)
+    state = rec.new_group(name=str(split.group_name), desc=str(split.group_desc), ranks=ranks,
+                          backend=backend, timeout_ms=timeout_ms)
+    state.cuda = "cuda" in backends and _cuda_available()
+    hooks = getattr(world, "pg_flight_recorder_hooks", None)
+    hooked = isinstance(hooks, dict) and hooks.get(split) is not None
+    dispatch = {d: (split if hooked and not _self_recording(dmap[d]) else be)
+                for d, be in backends.items()}
+    store = None
+    with contextlib.suppress(Exception):
+        store = split.get_group_store()
+    pg = RecordingProcessGroup(rec, state, split.rank(), split.size(), dispatch, default_device,
+                               store=store)
+    pg._frf_split_from = split
+    for d, be in backends.items():
+        pg._register_backend(torch.device(d), _backend_type(dmap[d]), be)
+        _note_native_source(dmap[d], be)
+    pg._set_default_backend(_backend_type(dmap[default_device]))
+    pg._set_group_name(str(split.group_name))
+    pg._set_group_desc(str(split.group_desc))
+    if split.bound_device_id is not None:
+        pg.bound_device_id = split.bound_device_id
+    _replace_in_world(split, pg)
+    return pg
+
+
+def _replace_in_world(old: Any, new: Any) -> None:
+    world = c10d._world
+    for table in _WORLD_TABLES:
+        d = getattr(world, table, None)
+        if isinstance(d, dict) and old in d:
+            d[new] = d.pop(old)
+    tags = getattr(world, "tags_to_pg", None)
+    if isinstance(tags, dict):
+        for members in tags.values():
+            for k, member in enumerate(members):
+                if member is old:
+                    members[k] = new
+    name = world.pg_names[new]
+    c10d._unregister_process_group(name)
+    c10d._register_process_group(name, new)
+
+
 def uninstall() -> None:
     """Stop routing new groups (existing groups keep their wrapper, now recording nothing)."""
     _installed.pop("recorder", None)
@@ -532,25 +702,65 @@ def dist_initialized() -> bool:
 # ---------------------------------------------------------------- native dumps
 
 
-def native_dump_bytes(rec: Recorder) -> bytes | None:
-    """PyTorch's own dump of this process, with gloo's empty ``pg_config`` filled in.
+_native_sources: dict[tuple[str, str], None] = {}
+"""(api, key) of every native recorder our groups' backends feed, in creation order."""
 
-    2.13 CPU builds: ``_dump_fr_trace(includeStackTraces=...)`` (gloo's recorder);
-    2.15: the same function takes ``backend=`` (default ``"gloo"``).
-    """
+
+def _note_native_source(name: str, backend: Any) -> None:
+    with contextlib.suppress(Exception):
+        legacy_nccl = hasattr(c10d, "ProcessGroupNCCL") and isinstance(
+            backend, c10d.ProcessGroupNCCL)
+        if legacy_nccl:
+            # Stock ProcessGroupNCCL records into its CUDA FlightRecorder,
+            # dumped by _dump_nccl_trace on 2.13 and 2.15 alike.
+            _native_sources.setdefault(("nccl_trace", "nccl"), None)
+        else:
+            # FlightRecorder<c10::Event>: gloo's own, and on 2.15 the instance
+            # torch's FlightRecorderHook fills, keyed by the backend's name.
+            _native_sources.setdefault(("fr_trace", str(backend.name())), None)
+
+
+def _native_dump(api: str, key: str) -> bytes | None:
     from torch._C import _distributed_c10d as C
 
-    dump_fn = getattr(C, "_dump_fr_trace", None)
-    if dump_fn is None:
+    if api == "nccl_trace":
+        fn = getattr(C, "_dump_nccl_trace", None)
+        return None if fn is None else bytes(fn(includeStackTraces=False))
+    fn = getattr(C, "_dump_fr_trace", None)
+    if fn is None:
         return None
-    # Without C++ stack traces: symbolizing them takes seconds (measured 1.1 s for
-    # 100 entries); the Python frames of each entry are kept.
-    raw = dump_fn(includeStackTraces=False)
-    if not raw:
-        return None
+    try:
+        return bytes(fn(includeStackTraces=False, backend=key))
+    except TypeError:
+        # 2.13: no backend argument; its one FlightRecorder<c10::Event> is gloo's.
+        return bytes(fn(includeStackTraces=False)) if key == "gloo" else None
+
+
+def native_dumps(rec: Recorder) -> list[tuple[str, bytes]]:
+    """PyTorch's own dumps of this process, one per native recorder with entries.
+
+    Each with gloo's empty ``pg_config`` filled in from our groups and a
+    top-level ``rank``. The first (a GPU backend's when there is one) is saved as
+    ``nccl_trace_rank_<rank>``, the others as ``nccl_trace_<key>_rank_<rank>``.
+    """
+    out: list[tuple[str, bytes]] = []
+    sources = sorted(_native_sources, key=lambda s: s[1] == "gloo")
+    for api, key in sources:
+        try:
+            raw = _native_dump(api, key)
+            data = _repaired(rec, raw) if raw else None
+        except Exception as exc:
+            rec.note_error(f"native dump {key}", exc)
+            continue
+        if data is not None:
+            out.append((key, data))
+    return out
+
+
+def _repaired(rec: Recorder, raw: bytes) -> bytes | None:
     from frforensics.formats.native import decode_pickle
 
-    doc = decode_pickle(bytes(raw), source="torch._dump_fr_trace")
+    doc = decode_pickle(raw, source="torch native flight recorder")
     if not isinstance(doc, dict) or not doc.get("entries"):
         return None
     config = doc.get("pg_config")

@@ -153,6 +153,9 @@ class Recorder:
         self.store_listeners: list[Callable[[], None]] = []
         # Why groups are created unrecorded (a failed probe), for the dump notes.
         self.unrecorded: list[str] = []
+        # The process whose groups these are (set at the first group): a forked
+        # child inherits this state but must never write that rank's dump.
+        self.owner_pid: int | None = None
         # c10d's PrefixStore joins prefix and key with "/": keys are
         # "frforensics/<restart>/dump_flag", "frforensics/<restart>/hb/<rank>", ...
         self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -177,6 +180,8 @@ class Recorder:
 
     def new_group(self, *, name: str, desc: str, ranks: tuple[int, ...], backend: str,
                   timeout_ms: int) -> GroupState:
+        if self.owner_pid is None:
+            self.owner_pid = os.getpid()
         deadline = self.config.deadline_ms
         effective = min(timeout_ms, deadline) if timeout_ms > 0 else deadline
         state = GroupState(len(self.groups), name, desc, ranks, backend, effective)
@@ -213,11 +218,18 @@ class Recorder:
         env = os.environ.get("RANK")
         return int(env) if env and env.isdigit() else 0
 
+    def owns_process(self) -> bool:
+        """False in a child forked after the groups were made (it must not dump)."""
+        return self.owner_pid is None or self.owner_pid == os.getpid()
+
     def dump_path(self) -> Path:
         return self.config.dump_dir / f"frdump_rank_{self.current_rank()}"
 
-    def native_dump_path(self) -> Path:
-        return self.config.dump_dir / f"nccl_trace_rank_{self.current_rank()}"
+    def native_dump_path(self, key: str | None = None) -> Path:
+        """Where PyTorch's dump goes: the main one, or the one of native recorder ``key``."""
+        stem = "nccl_trace" if not key else "nccl_trace_" + "".join(
+            c if c.isalnum() else "-" for c in key)
+        return self.config.dump_dir / f"{stem}_rank_{self.current_rank()}"
 
     # ------------------------------------------------------------ store coordination
 

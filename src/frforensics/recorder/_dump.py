@@ -243,8 +243,8 @@ class DumpWritten:
     automatic: bool
 
 
-NativeSource = Callable[[Recorder], bytes | None]
-"""Returns PyTorch's own dump of this process (bytes to save), or None."""
+NativeSource = Callable[[Recorder], list[tuple[str, bytes]]]
+"""PyTorch's own dumps of this process: (native recorder key, bytes to save), main first."""
 
 
 class DumpWriter:
@@ -274,6 +274,8 @@ class DumpWriter:
              automatic: bool = False, native: bool = True) -> Path | None:
         """Write this rank's dump now. Never raises; returns the path or None."""
         rec = self.rec
+        if not rec.owns_process():
+            return None  # a forked child: the rank's dump belongs to its parent
         try:
             with self.lock:
                 if automatic and reason in (DumpReason.EXCEPTION, DumpReason.EXIT):
@@ -331,11 +333,10 @@ class DumpWriter:
             if os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get(
                     "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")) in ("0", ""):
                 return
-            data = source(rec)
-            if data is None:
-                return
             from frforensics.formats import frdump
 
-            frdump.write_atomic(rec.native_dump_path(), data)
+            for i, (key, data) in enumerate(source(rec)):
+                path = rec.native_dump_path(None if i == 0 else key)
+                frdump.write_atomic(path, data)
         except Exception as exc:
             rec.note_error("native dump", exc)

@@ -31,6 +31,22 @@ dist: Any = _dist
 c10d: Any = _c10d
 
 
+# torch 2.15's trampoline takes the (store, rank, size) constructor for a Python
+# subclass; 2.13's raises ("not an alias instance") and has no C++ split path
+# that needs the store. Probed once, on a throwaway subclass.
+def _store_ctor_works() -> bool:
+    class _Probe(dist.ProcessGroup):  # type: ignore[misc]
+        pass
+
+    try:
+        _Probe(dist.HashStore(), 0, 1)
+    except Exception:
+        return False
+    return True
+
+
+_STORE_CTOR = _store_ctor_works()
+
 _mono = time.monotonic_ns
 _get_ident = threading.get_ident
 _getframe = sys._getframe
@@ -172,9 +188,17 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
     """A process group that records each op into the recorder's ring, then forwards it."""
 
     def __init__(self, recorder: Recorder, state: GroupState, rank: int, size: int,
-                 backends: dict[str, Any], default_device: str) -> None:
-        # ``backends``: device type -> the real backend torch's creator built.
-        super().__init__(rank, size)
+                 backends: dict[str, Any], default_device: str, store: Any = None) -> None:
+        # ``store``: the group's store (torch's helper builds every group with one;
+        # c10d's C++ ``splitGroup`` derives the split groups' stores from it).
+        # ``backends``: device type -> what serves that device's ops: the backend
+        # torch's creator built, or (torch 2.15, backends that do not record
+        # themselves) a plain ProcessGroup over it carrying torch's
+        # FlightRecorderHook, whose hooks fire only on c10d's dispatcher path.
+        if store is not None and _STORE_CTOR:
+            super().__init__(store, rank, size)
+        else:
+            super().__init__(rank, size)
         self._frf_rec = recorder
         self._frf_state = state
         self._frf_backends = backends
@@ -183,6 +207,8 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         # One backend object for every device (plain "gloo" maps cpu and cuda to it).
         self._frf_single = len({id(b) for b in backends.values()}) == 1
         self._frf_cuda = bool(state.cuda)
+        self._frf_fr_hook: Any = None  # torch's FlightRecorderHook handle, if any
+        self._frf_split_from: Any = None  # the group split_group made, kept alive
 
     # ------------------------------------------------------------ plumbing
 
@@ -469,15 +495,22 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _start_coalescing(self, device: Any) -> None:
         st = self._frf_state
-        self._frf_inner_for_device(device)._start_coalescing()  # Backend's takes no device
+        inner = self._frf_inner_for_device(device)
+        if isinstance(inner, dist.ProcessGroup):  # a hooked inner group takes the device
+            inner._start_coalescing(device)
+        else:
+            inner._start_coalescing()  # Backend's takes no device
         st.block_id = self._frf_rec.next_block_id()
         st.block_p2p = -1
 
     def _end_coalescing(self, device: Any) -> Any:
         st = self._frf_state
-        inner_pg = self._frf_inner_for_device(device)
+        inner = self._frf_inner_for_device(device)
         try:
-            work = inner_pg._end_coalescing()
+            if isinstance(inner, dist.ProcessGroup):
+                work = inner._end_coalescing(device)
+            else:
+                work = inner._end_coalescing()
         finally:
             block, kind = st.block_id, st.block_p2p
             st.block_id = -1

@@ -119,6 +119,7 @@ class Watchdog(threading.Thread):
         self.store_retry_at = 0.0
         self.signals: set[int] = set()
         self.previous_handlers: dict[int, Any] = {}
+        self.fork_hook_registered = False
         self.teardown_lock = threading.Lock()
         self.teardown_seen: set[int] = set()
         self.wakeup_installed = False
@@ -147,6 +148,12 @@ class Watchdog(threading.Thread):
             return
         if not signals and not teardown:
             return
+        if not self.fork_hook_registered:
+            # A forked child (DataLoader workers, ...) inherits the handlers and
+            # the wakeup fd, whose pipe the parent's watchdog reads: a SIGTERM to
+            # the child would reach the parent's watchdog as the parent's own.
+            os.register_at_fork(after_in_child=self._after_fork_in_child)
+            self.fork_hook_registered = True
         for sig in signals:
             try:
                 if signal.getsignal(sig) in (signal.SIG_DFL, None):
@@ -178,6 +185,18 @@ class Watchdog(threading.Thread):
             self.rec.note_error("set_wakeup_fd", RuntimeError("wakeup fd already in use"))
             return
         self.wakeup_installed = True
+
+    def _after_fork_in_child(self) -> None:
+        """In a forked child: the process it was before the recorder, for signals."""
+        with contextlib.suppress(Exception):
+            if self.wakeup_installed:
+                signal.set_wakeup_fd(-1)
+            for sig, previous in self.previous_handlers.items():
+                if signal.getsignal(sig) == self._teardown_handler:
+                    signal.signal(sig, previous)
+            for sig in self.signals:
+                if signal.getsignal(sig) == self._python_handler:
+                    signal.signal(sig, signal.SIG_DFL)
 
     def uninstall_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -2,7 +2,8 @@
 
 ``render(report, fmt)`` returns the text of one format; each reporter is a
 module with a ``render(report) -> str`` function. ``timeline`` is the exception:
-it reads the dumps themselves (every entry) and writes Chrome-trace JSON.
+it renders the full traces ``formats.read_sources`` yields (every entry) as
+Chrome-trace JSON.
 """
 
 from __future__ import annotations
@@ -62,13 +63,17 @@ def write_all(
         _write_atomic(path, renderer(report))
         written.append(path)
     if dump_paths:
+        from frforensics.formats import read_sources
         from frforensics.reporting.timeline import write_timeline
 
         path = target / "timeline.json"
         tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            write_timeline(dump_paths, fh, prefix=prefix)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                write_timeline(read_sources(dump_paths, prefix=prefix), fh)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         written.append(path)
     return written
 

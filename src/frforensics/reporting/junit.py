@@ -15,6 +15,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
+from frforensics.reporting._escape import xml_text
 from frforensics.reporting._shared import seq_label
 
 MAX_CASES = 200
@@ -46,6 +47,17 @@ def _details(f: Finding) -> str:
     if f.location:
         lines.append(f"code: {f.location}")
     return "\n".join(lines)
+
+
+def _xml_safe(root: ET.Element) -> None:
+    """Replace what XML 1.0 cannot hold (control characters from dumps) with escapes."""
+    for el in root.iter():
+        if el.text:
+            el.text = xml_text(el.text)
+        if el.tail:
+            el.tail = xml_text(el.tail)
+        for key, value in el.attrib.items():
+            el.attrib[key] = xml_text(value)
 
 
 def render(report: Report) -> str:
@@ -95,6 +107,7 @@ def render(report: Report) -> str:
     if report.notes:
         out = ET.SubElement(suite, "system-out")
         out.text = "\n".join(report.notes)
+    _xml_safe(suite)
     ET.indent(suite)
     body = ET.tostring(suite, encoding="unicode")
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + body + "\n"

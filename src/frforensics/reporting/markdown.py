@@ -10,6 +10,7 @@ step-summary limit).
 from __future__ import annotations
 
 from frforensics.report import Report, Severity, Status, format_ranks
+from frforensics.reporting._escape import printable
 from frforensics.reporting._shared import (
     MAX_STATES,
     STATUS_WORD,
@@ -34,13 +35,14 @@ _ICON = {
 
 
 def _cell(text: str) -> str:
-    """Text safe inside a table cell or a line (no raw HTML, no column breaks)."""
-    return (text.replace("\\", "\\\\").replace("|", "\\|").replace("<", "&lt;")
-            .replace(">", "&gt;").replace("\n", " "))
+    """Text safe inside a table cell or a line (no raw HTML, no column breaks, no
+    control characters: a dump string cannot start a line of its own)."""
+    return (printable(text.replace("\\", "\\\\")).replace("|", "\\|").replace("<", "&lt;")
+            .replace(">", "&gt;"))
 
 
 def _code(text: str) -> str:
-    return "`" + text.replace("`", "'").replace("|", "\\|").replace("\n", " ") + "`"
+    return "`" + printable(text).replace("`", "'").replace("|", "\\|") + "`"
 
 
 def render(report: Report) -> str:

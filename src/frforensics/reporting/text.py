@@ -9,11 +9,13 @@ ranks stay a few lines), load problems and notes.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.markup import escape
 
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
+from frforensics.reporting._escape import printable
 from frforensics.reporting._shared import action_lines, code_sides, rank_states
 
 _STATUS_STYLE = {
@@ -54,11 +56,18 @@ def _headline(finding: Finding) -> str:
 
 
 def render(report: Report, *, width: int = 100, color: bool = False) -> str:
-    """The report as text; ``color`` adds ANSI styles (for terminals)."""
+    """The report as text; ``color`` adds ANSI styles (for terminals).
+
+    Every line goes through :func:`printable`: text from dumps and file names
+    cannot start a line of its own or carry terminal escapes.
+    """
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
                       highlight=False, emoji=False)
-    out = console.print
+
+    def out(line: str = "") -> None:
+        console.print(printable(line))
+
     status = report.status
     style = _STATUS_STYLE[status]
     if status is Status.UNREADABLE:
@@ -113,8 +122,7 @@ def render(report: Report, *, width: int = 100, color: bool = False) -> str:
     return buf.getvalue()
 
 
-def _rank_summary(report: Report, out: object) -> None:
-    assert callable(out)
+def _rank_summary(report: Report, out: Callable[[str], None]) -> None:
     states = rank_states(report)
     world = report.world_size if report.world_size is not None else "unknown"
     out(f"[bold]Ranks[/] ({len(report.ranks_loaded)} loaded, world size {world})")

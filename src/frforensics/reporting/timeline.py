@@ -1,9 +1,13 @@
 """Chrome-trace / Perfetto JSON of every rank's recorded ops (``fr-analyze timeline``).
 
-Unlike the other reporters this one reads the full dumps, not a
+Unlike the other reporters this one renders full traces, not a
 :class:`~frforensics.report.Report`: a timeline shows every entry of every
-ring. Files are decoded one at a time and each rank's events are written out
-before the next file is read, so memory stays at one dump's worth.
+ring. It reads no files: it takes the stream of traces and load problems that
+:func:`frforensics.formats.read_sources` yields (one dump at a time) and writes
+each rank's events before the next trace arrives, so memory stays at one
+dump's worth::
+
+    write_timeline(read_sources(paths, prefix=prefix), out)
 
 The trace (load it in ui.perfetto.dev or ``chrome://tracing``):
 
@@ -22,20 +26,18 @@ The trace (load it in ui.perfetto.dev or ``chrome://tracing``):
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from frforensics.analyzer.digest import user_frame
-from frforensics.analyzer.load import discover, rank_from_name
-from frforensics.errors import DumpError
-from frforensics.formats import decode_dump, sniff_format
 from frforensics.model import OpState, RankTrace
+from frforensics.report import LoadProblem
 
 __all__ = ["TimelineSummary", "trace_events", "write_timeline"]
 
 _LANES = 64  # tids per group: lane k of group g is g * _LANES + k
+_STATES = {int(s): s for s in OpState}
 
 
 @dataclass(slots=True)
@@ -94,7 +96,7 @@ def trace_events(trace: RankTrace, rank: int, groups: _Groups | None = None) -> 
         gname = info.name if info else str(gi)
         gdesc = info.desc if info else ""
         base = groups.tid(gname, gdesc)
-        state = OpState(int(e.state[row]))
+        state = _STATES.get(int(e.state[row]), OpState.SCHEDULED)
         done = int(e.t_complete_ns[row])
         unfinished = state < OpState.COMPLETED
         if done > 0:
@@ -169,47 +171,36 @@ def _ranges(ranks: Sequence[int]) -> str:
 
 
 def write_timeline(
-    paths: Sequence[str | os.PathLike[str]],
+    traces: Iterable[RankTrace | LoadProblem],
     out: TextIO,
     *,
-    prefix: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> TimelineSummary:
-    """Write the Chrome-trace JSON of every dump under ``paths`` to ``out``."""
-    sources, load_problems = discover(paths)
-    summary = TimelineSummary(problems=[(p.path, p.error) for p in load_problems])
+    """Write the Chrome-trace JSON of ``traces`` (as ``read_sources`` yields them) to ``out``.
+
+    Load problems are listed in ``otherData``; a second trace of a rank already
+    written is skipped and listed too. ``progress(done, done)`` is called per trace.
+    """
+    summary = TimelineSummary()
     groups = _Groups()
     out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
     first = True
-    total = len(sources)
-    for i, src in enumerate(sources):
+    done = 0
+    for item in traces:
+        done += 1
         if progress is not None:
-            progress(i, total)
-        name_rank = rank_from_name(src.label, prefix)
-        if prefix is not None and name_rank is None and not src.explicit:
+            progress(done, done)
+        if isinstance(item, LoadProblem):
+            summary.problems.append((item.path, item.error))
             continue
-        try:
-            if src.data is not None:
-                data = src.data
-            else:
-                assert src.path is not None
-                with open(src.path, "rb") as fh:
-                    data = fh.read()
-            if sniff_format(data[:64]) is None and name_rank is None and not src.explicit:
-                continue  # a README or expected.json next to the dumps
-            trace = decode_dump(data, source=src.label, rank_hint=name_rank)
-            del data
-        except (DumpError, OSError) as exc:
-            summary.problems.append((src.label, str(exc)))
+        if item.rank is None:
+            summary.problems.append((item.source, "cannot tell which rank wrote this dump"))
             continue
-        if trace.rank is None:
-            summary.problems.append((src.label, "cannot tell which rank wrote this dump"))
+        if item.rank in summary.ranks:
+            summary.problems.append((item.source, f"second dump for rank {item.rank}: skipped"))
             continue
-        if trace.rank in summary.ranks:
-            summary.problems.append((src.label, f"second dump for rank {trace.rank}: skipped"))
-            continue
-        summary.ranks.append(trace.rank)
-        for event in trace_events(trace, trace.rank, groups):
+        summary.ranks.append(item.rank)
+        for event in trace_events(item, item.rank, groups):
             if not first:
                 out.write(",\n")
             first = False
@@ -217,9 +208,7 @@ def write_timeline(
             summary.events += 1
             if event.get("ph") == "X" and event.get("cat") == "stuck":
                 summary.stuck += 1
-        del trace
-    if progress is not None:
-        progress(total, total)
+        del item
     other = {"tool": "frforensics", "ranks": sorted(summary.ranks),
              "problems": [{"path": p, "error": e} for p, e in summary.problems]}
     out.write('\n], "otherData": ' + json.dumps(other) + "}\n")

@@ -62,6 +62,7 @@ class Fault:
     leaves_dump: bool = False
     groups: tuple[str, ...] = ()
     where: str = "python"
+    after: int = 0
 
 
 @dataclass
@@ -76,6 +77,10 @@ class _Plan:
     step_starts: list[list[int]]  # per rank: program index where each simulated step starts
     prefix: list[Counter[int]]  # per stage: spec-id counts of the steps not simulated
     hung: set[tuple[int, int]] = field(default_factory=set)
+    kernel_hung: set[tuple[int, int]] = field(default_factory=set)
+    delayed: dict[int, set[int]] = field(default_factory=dict)  # straggler(every="step"): delayed instrs
+    # per stage: instruction-id counts of the steps not simulated (NCCL mode counters)
+    prefix_instrs: list[Counter[int]] = field(default_factory=list)
     delay_from: dict[int, tuple[int, float]] = field(default_factory=dict)
     dead: dict[int, bool] = field(default_factory=dict)  # rank -> leaves a dump
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> where
@@ -119,6 +124,11 @@ class JobBuilder:
         self._dump_delay_s = 5.0
         self._poll_ms = 0.0
         self._gloo = False
+        self._nccl: tuple[int, int] | None = None  # NCCL mode: run-ahead depth range
+        self._coalesce_dp = False
+        self._dp_style = "members"
+        self._timing = False
+        self.run_ahead: list[int] | None = None  # NCCL mode: each rank's depth, set by build()
         self._host_size = 8
         self._start_time_ns = 1_767_225_600_000_000_000 + seed * 1_000_000_000  # 2026-01-01
         self._cat = Catalog()
@@ -133,7 +143,7 @@ class JobBuilder:
 
     def schedule(self, **options: object) -> JobBuilder:
         """Change the model/step shape (fields of :class:`ScheduleConfig`)."""
-        self._cfg = ScheduleConfig(**{**self._cfg.__dict__, **options})
+        self._cfg = replace(self._cfg, **options)  # type: ignore[arg-type]
         return self
 
     def barrier(self, enabled: bool = True) -> JobBuilder:
@@ -158,7 +168,46 @@ class JobBuilder:
 
     def gloo_style(self, enabled: bool = True) -> JobBuilder:
         """Native dumps look like gloo's: no membership, no p2p, state always scheduled."""
+        if enabled and self._nccl is not None:
+            raise ValueError("nccl() and gloo_style() exclude each other")
         self._gloo = enabled
+        # one name shared by all TP groups comes from NCCL's split_group; gloo jobs
+        # make each group with new_group: every TP group has its own name
+        lay = self.layout
+        self.layout = Layout(tp=lay.tp, dp=lay.dp, pp=lay.pp, shared_tp_name=not enabled)
+        return self
+
+    def nccl(
+        self,
+        *,
+        run_ahead: tuple[int, int] = (1, 6),
+        coalesce_dp: Literal["members", "fused", None] = "members",
+        timing: bool = False,
+    ) -> JobBuilder:
+        """NCCL mode: dumps with PyTorch's real NCCL semantics (see docs/builder.md).
+
+        Each rank's CPU enqueues up to ``k`` ops ahead of its GPU, ``k`` drawn per
+        rank from ``run_ahead`` (inclusive); ``state`` follows the GPU. Every
+        pipeline p2p batch is a ``batch_isend_irecv`` block: member entries stay
+        ``scheduled`` and unretired forever, a closing ``nccl:coalesced`` entry
+        with the same seq ids carries the block's state. ``coalesce_dp`` makes the
+        DP gradient buckets one block: ``"members"`` recorded like the p2p batch
+        (C++ coalescing), ``"fused"`` as one ``*_coalesced`` entry (the Python
+        fast path), ``None`` not coalesced. ``timing``
+        (``TORCH_NCCL_ENABLE_TIMING``): only then do start events exist, so only
+        then can an entry read ``started`` and carry ``duration_ms``.
+        """
+        lo, hi = run_ahead
+        if not 1 <= lo <= hi:
+            raise ValueError("run_ahead must be (lo, hi) with 1 <= lo <= hi")
+        if coalesce_dp not in ("members", "fused", None):
+            raise ValueError("coalesce_dp must be 'members', 'fused' or None")
+        if self._gloo:
+            raise ValueError("nccl() and gloo_style() exclude each other")
+        self._nccl = (int(lo), int(hi))
+        self._coalesce_dp = coalesce_dp is not None
+        self._dp_style = coalesce_dp or "members"
+        self._timing = bool(timing)
         return self
 
     def clock_offset(self, *, rank: int, ms: float) -> JobBuilder:
@@ -177,9 +226,18 @@ class JobBuilder:
         """``rank`` does not issue its ``index``-th collective on ``group`` in ``step``."""
         return self._fault(Fault("skip", (rank,), step, group=group, index=index))
 
-    def stuck(self, *, rank: int, step: int, where: Literal["python", "dataloader"] = "python") -> JobBuilder:
-        """``rank`` stops issuing anything at the start of ``step`` (its last op completed)."""
-        return self._fault(Fault("stuck", (rank,), step, where=where))
+    def stuck(
+        self, *, rank: int, step: int, where: Literal["python", "dataloader"] = "python", after: int = 0
+    ) -> JobBuilder:
+        """``rank`` stops issuing anything in ``step`` after its first ``after`` instructions.
+
+        ``after=0``: at the start of the step (its last op completed); ``after``
+        beyond the step stops before the step's last instruction. Its GPU still
+        runs what the CPU enqueued before it stopped.
+        """
+        if after < 0:
+            raise ValueError("after must be >= 0")
+        return self._fault(Fault("stuck", (rank,), step, where=where, after=after))
 
     def op_mismatch(self, *, rank: int, step: int, group: str = "tp", index: int = 0) -> JobBuilder:
         """``rank`` issues a different collective type at one collective."""
@@ -193,9 +251,27 @@ class JobBuilder:
         """``rank`` issues one collective with a different dtype."""
         return self._fault(Fault("dtype_mismatch", (rank,), step, group=group, index=index))
 
+    def collectives_in_step(self, *, rank: int, group: str, step: int) -> int:
+        """How many collectives ``rank`` issues on ``group`` in ``step`` (with the faults so far)."""
+        plan = self._plan()
+        lo, hi = self._step_range(plan, rank, step)
+        cat = plan.cat
+        prog = plan.programs[rank]
+        return sum(1 for pos in range(lo, hi)
+                   if not cat.specs[cat.instrs[prog[pos]].ops[0]].is_p2p
+                   and cat.specs[cat.instrs[prog[pos]].ops[0]].group == group)
+
     def hang_in_op(self, *, rank: int, step: int, group: str = "dp", index: int = 0) -> JobBuilder:
         """Every member enters the collective; ``rank``'s kernel never starts (→ timeout)."""
         return self._fault(Fault("hang_in_op", (rank,), step, group=group, index=index))
+
+    def kernel_hang(self, *, rank: int, step: int, group: str = "tp", index: int = 0) -> JobBuilder:
+        """``rank``'s kernel of one collective starts and never finishes; its peers complete it.
+
+        The peers then block at their next op that needs ``rank`` (→ ``timeout``,
+        culprit ``rank``). Issue #10 point 3; needs ``nccl()``.
+        """
+        return self._fault(Fault("kernel_hang", (rank,), step, group=group, index=index))
 
     def dead(self, *, rank: int, step: int, leaves_dump: bool = False) -> JobBuilder:
         """``rank`` dies mid-``step``: no dump (or, with ``leaves_dump``, an frdump with death info)."""
@@ -212,6 +288,21 @@ class JobBuilder:
         if self.layout.pp < 2 or self.layout.coords(rank)[2] == self.layout.pp - 1:
             raise ValueError("p2p faults need pp >= 2 and a rank that is not on the last stage")
         return self._fault(Fault("p2p_swap_order", (rank,), step))
+
+    def p2p_send_send(self, *, rank: int, step: int) -> JobBuilder:
+        """``rank`` and its next-stage peer each send before receiving (batches split in two).
+
+        ``rank`` splits its first ``send_forward_recv_backward`` batch of ``step``
+        into a send then a recv; the peer splits its ``send_backward_recv_forward``
+        batches the same way: both block in a send the other never receives
+        (send/send, ``p2p_deadlock``, culprits both).
+        """
+        lay = self.layout
+        if lay.pp < 2 or lay.coords(rank)[2] == lay.pp - 1:
+            raise ValueError("p2p faults need pp >= 2 and a rank that is not on the last stage")
+        if self._cfg.micro_batches < lay.pp:
+            raise ValueError("p2p_send_send needs micro_batches >= pp (a steady 1F1B phase)")
+        return self._fault(Fault("p2p_send_send", (rank, lay.stage_peer(rank, +1)), step))
 
     def order_inversion(
         self, *, ranks: int | tuple[int, ...], step: int, groups: tuple[str, str] = ("tp", "dp")
@@ -232,9 +323,16 @@ class JobBuilder:
             rs = (rs[0], lay.rank_at(tp_rank=(t + 1) % lay.tp, dp_rank=(d + 1) % lay.dp, pp_rank=s))
         return self._fault(Fault("order_inversion", rs, step, groups=tuple(groups)))
 
-    def straggler(self, *, rank: int, delay_ms: float, from_step: int = 0) -> JobBuilder:
-        """``rank`` enters every op ``delay_ms`` late from ``from_step`` on (no hang)."""
-        return self._fault(Fault("straggler", (rank,), from_step, delay_ms=float(delay_ms)))
+    def straggler(
+        self, *, rank: int, delay_ms: float, from_step: int = 0, every: Literal["op", "step"] = "op"
+    ) -> JobBuilder:
+        """``rank`` enters every op (or the first op of every step) ``delay_ms`` late
+        from ``from_step`` on (no hang). In NCCL mode the delay is the CPU's: those ops
+        are enqueued late, not just started late."""
+        if every not in ("op", "step"):
+            raise ValueError("every must be 'op' or 'step'")
+        return self._fault(Fault("straggler", (rank,), from_step, delay_ms=float(delay_ms),
+                                 where=every))
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.layout.world_size:
@@ -269,6 +367,10 @@ class JobBuilder:
         stage_counts = [self._kind_counts(plan, c) for c in plan.prefix]
         for r in range(lay.world_size):
             start_counts[r] = stage_counts[int(lay.pp_rank[r])][0]
+        run_ahead = None
+        if self._nccl is not None:
+            lo, hi = self._nccl
+            run_ahead = np.random.default_rng([self.seed, 11]).integers(lo, hi + 1, lay.world_size).tolist()
         sim = simulate(
             lay,
             plan.cat,
@@ -278,12 +380,16 @@ class JobBuilder:
             jitter=jitter,
             delay_from=plan.delay_from,
             hung=plan.hung,
+            kernel_hung=plan.kernel_hung,
+            delayed=plan.delayed,
+            run_ahead=run_ahead,
         )
+        self.run_ahead = run_ahead
         self._cat = plan.cat
         expected = self._expected(plan, sim)
         dump_ms = sim.last_event_ms + self._dump_delay_s * 1000.0
         for f in self._faults:
-            if f.kind == "hang_in_op":
+            if f.kind in ("hang_in_op", "kernel_hang"):
                 worst = max(
                     float(sim.t_enqueue[m][mi])
                     for v in sim.pending_collectives.values()
@@ -330,7 +436,8 @@ class JobBuilder:
         cat = Catalog()
         templates = [
             [
-                build_stage_step(cat, cfg, stage=s, pp=lay.pp, tp=lay.tp, dp=lay.dp, log_step=log)
+                build_stage_step(cat, cfg, stage=s, pp=lay.pp, tp=lay.tp, dp=lay.dp, log_step=log,
+                                 coalesce_dp=self._coalesce_dp)
                 for log in (False, True)
             ]
             for s in range(lay.pp)
@@ -347,16 +454,21 @@ class JobBuilder:
         barrier = barrier_instr(cat) if self._barrier else None
 
         prefix: list[Counter[int]] = []
+        prefix_instrs: list[Counter[int]] = []
         stage_prog: list[list[int]] = []
         stage_starts: list[list[int]] = []
         for s in range(lay.pp):
             c: Counter[int] = Counter()
+            ci: Counter[int] = Counter()
             if barrier is not None and first_step > 0:
                 c.update(cat.instrs[barrier].ops)
+                ci[barrier] += 1
             for k in range(first_step):
                 for i in templates[s][int(is_log[k])]:
                     c.update(cat.instrs[i].ops)
+                    ci[i] += 1
             prefix.append(c)
+            prefix_instrs.append(ci)
             prog: list[int] = [barrier] if (barrier is not None and first_step == 0) else []
             starts = []
             for k in range(first_step, self._steps):
@@ -367,7 +479,7 @@ class JobBuilder:
             stage_starts.append(starts)
         programs = [stage_prog[int(lay.pp_rank[r])] for r in range(lay.world_size)]
         step_starts = [stage_starts[int(lay.pp_rank[r])] for r in range(lay.world_size)]
-        plan = _Plan(lay, cat, cfg, first_step, programs, step_starts, prefix)
+        plan = _Plan(lay, cat, cfg, first_step, programs, step_starts, prefix, prefix_instrs=prefix_instrs)
         for f in self._faults:
             self._apply(plan, f)
         return plan
@@ -409,6 +521,8 @@ class JobBuilder:
             k = max(0, f.step - plan.first_step)
             starts = plan.step_starts[r]
             plan.delay_from[r] = (starts[min(k, len(starts) - 1)], f.delay_ms)
+            if f.where == "step":
+                plan.delayed[r] = set(starts[min(k, len(starts) - 1):-1])
         elif f.kind == "skip":
             pos = self._locate(plan, r, f.step, f.group, f.index)
             prog = self._own(plan, r)
@@ -421,10 +535,12 @@ class JobBuilder:
             prog[pos] = cat.variant(prog[pos], **_mismatch_change(f.kind, spec))
         elif f.kind == "hang_in_op":
             plan.hung.add((r, self._locate(plan, r, f.step, f.group, f.index)))
+        elif f.kind == "kernel_hang":
+            plan.kernel_hung.add((r, self._locate(plan, r, f.step, f.group, f.index)))
         elif f.kind == "stuck":
-            lo, _ = self._step_range(plan, r, f.step)
+            lo, hi = self._step_range(plan, r, f.step)
             prog = self._own(plan, r)
-            del prog[lo:]
+            del prog[min(lo + f.after, hi - 1):]
             plan.stuck[r] = f.where
         elif f.kind == "dead":
             lo, hi = self._step_range(plan, r, f.step)
@@ -458,6 +574,26 @@ class JobBuilder:
                 recv = moved
             prog.insert(first_send, cat.instr(0.0, recv))
             self._shift_starts(plan, r, first_send, +1)
+        elif f.kind == "p2p_send_send":
+            for rr, delta, first_only in ((r, +1, True), (f.ranks[1], -1, False)):
+                lo, hi = self._step_range(plan, rr, f.step)
+                prog = self._own(plan, rr)
+                pos = lo
+                while pos < hi:
+                    ins = cat.instrs[prog[pos]]
+                    kinds = {(cat.specs[o].op, cat.specs[o].delta) for o in ins.ops}
+                    if kinds == {("send", delta), ("recv", delta)}:
+                        sends = [cat.specs[o] for o in ins.ops if cat.specs[o].op == "send"]
+                        recvs = [cat.specs[o] for o in ins.ops if cat.specs[o].op == "recv"]
+                        prog[pos:pos + 1] = [cat.instr(ins.compute_ms, *sends), cat.instr(0.0, *recvs)]
+                        self._shift_starts(plan, rr, pos, +1)
+                        hi += 1
+                        if first_only:
+                            break
+                    pos += 1
+                else:
+                    if first_only:
+                        raise ValueError(f"rank {rr} has no send_forward_recv_backward batch in step {f.step}")
         elif f.kind == "order_inversion":
             for rr in f.ranks:
                 lo, hi = self._step_range(plan, rr, f.step)
@@ -555,6 +691,15 @@ class JobBuilder:
         if f.kind == "straggler":
             return Expected(status="degraded", kinds=("straggler",), culprit_ranks=(r,),
                             notes=(f"rank {r} enters every op {f.delay_ms} ms late",))
+        if f.kind == "kernel_hang":
+            pos = self._locate(plan, r, f.step, f.group, f.index)
+            key = self._coll_key(sim, r, pos)
+            if key is None:
+                raise AssertionError(f"kernel_hang: rank {r} never reached the planted collective")
+            gid, seq = key
+            return Expected(status="hang", kinds=("timeout",), culprit_ranks=(r,),
+                            group=self._group_of(gid), seq=seq, seq_kind="collective",
+                            op=plan.cat.specs[sim.pending_collectives[key][0][2]].op)
         if f.kind in _MISMATCH_KINDS or f.kind == "hang_in_op":
             pos = self._locate(plan, r, f.step, f.group, f.index)
             key = self._coll_key(sim, r, pos)
@@ -581,11 +726,12 @@ class JobBuilder:
             return Expected(status="hang", kinds=(kind,), culprit_ranks=(r,),
                             group=self._group_of(gid), seq=seq, seq_kind="collective", op=op,
                             waiting_ranks=posted, missing_dumps=missing)
-        if f.kind in ("p2p_recv_without_send", "p2p_swap_order"):
+        if f.kind in ("p2p_recv_without_send", "p2p_swap_order", "p2p_send_send"):
             peer = lay.stage_peer(r, +1)
             gid = int(lay.gid_of["pp"][r])
             return Expected(status="hang", kinds=("p2p_deadlock",), culprit_ranks=tuple(sorted((r, peer))),
-                            group=self._group_of(gid), seq_kind="p2p", op="recv",
+                            group=self._group_of(gid), seq_kind="p2p",
+                            op="send" if f.kind == "p2p_send_send" else "recv",
                             waiting_ranks=tuple(sorted((r, peer))))
         if f.kind == "order_inversion":
             gids = []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import multiprocessing
 import os
 import pickle
@@ -44,7 +45,7 @@ from frforensics.model import (
 )
 from frforensics.testing.expected import Expected
 from frforensics.testing.layout import GROUP_KINDS
-from frforensics.testing.schedule import SITES, WIRE_NAMES
+from frforensics.testing.schedule import SITES, WIRE_NAMES, OpSpec, closing_site
 
 if TYPE_CHECKING:
     from frforensics.testing.builder import JobBuilder, _Plan
@@ -61,6 +62,8 @@ _GLOO_NAMES = {
 }
 _STATE_NAMES = {OpState.SCHEDULED: "scheduled", OpState.STARTED: "started", OpState.COMPLETED: "completed"}
 _LAUNCH_MS = 0.012
+#: ProcessGroupNCCL's watchdog loop period (kWatchdogThreadSleepMillis), ms
+_WATCHDOG_MS = 100.0
 _GPUS_PER_HOST = 8
 
 _WATCHDOG = (
@@ -117,6 +120,13 @@ class RankRecords:
     t_complete_ns: npt.NDArray[np.int64]  # 0 = not completed
     dropped: int
     last_seq: dict[str, tuple[int, int, int]]  # kind -> (enqueued, started, completed) seq
+    # NCCL mode only: 0 plain entry, 1 coalesced member, 2 closing ``coalesced`` entry
+    block: npt.NDArray[np.uint8] | None = None
+    retired: npt.NDArray[np.bool_] | None = None
+    # where the rank is really blocked (its earliest unfinished op, a block counted by
+    # its closing entry), before eviction: (group kind, seq kind, seq) or None
+    blocked: tuple[str, str, int] | None = None
+    duration_ms: npt.NDArray[np.float64] | None = None  # NCCL mode with timing (NaN = none)
 
 
 class _Tables:
@@ -200,13 +210,43 @@ class JobDumps:
         self._tables: _Tables | None = None
         self._prefix_cache: dict[int, dict[str, Any]] = {}
         self._watchdog_rank: int | Literal[False] | None = False
+        self.nccl = builder._nccl is not None
+        # NCCL mode: instruction id -> spec id of its closing ``coalesced`` entry, or
+        # of the one ``*_coalesced`` entry that stands for the whole block (fast path)
+        self._closing: dict[int, int] = {}
+        self._fused: dict[int, int] = {}
+        self.timing = builder._timing
+        if self.nccl:
+            cat = plan.cat
+            for iid, ins in enumerate(list(cat.instrs)):
+                specs = [cat.specs[o] for o in ins.ops]
+                first = specs[0]
+                p2p = any(sp.is_p2p for sp in specs)
+                if not p2p and len(specs) > 1 and builder._dp_style == "fused":
+                    self._fused[iid] = cat.spec(replace(
+                        first, op=f"{first.op}_coalesced",
+                        in_sizes=tuple(x for sp in specs for x in sp.in_sizes),
+                        out_sizes=tuple(x for sp in specs for x in sp.out_sizes),
+                        in_dtypes=tuple(x for sp in specs for x in sp.in_dtypes),
+                        out_dtypes=tuple(x for sp in specs for x in sp.out_dtypes)))
+                elif p2p or len(specs) > 1:
+                    self._closing[iid] = cat.spec(OpSpec(
+                        "coalesced", first.group, (), (), (), (), closing_site(first.site), 0.0))
+        blocked = []
+        for r in self.native_ranks:
+            b = self._blocked_nccl(r) if self.nccl else self.records(r).blocked
+            if b is not None:
+                g = self.layout.group(b[0], r)
+                assert g is not None
+                blocked.append((r, g.name, g.ranks, b[1], b[2]))
+        self.expected = replace(expected, blocked=tuple(blocked))
+        expected = self.expected
         if expected.seq_kind == "p2p" and expected.seq is None and expected.culprit_ranks:
             # the p2p number of the first culprit's pending recv, from its own counters
             r = expected.culprit_ranks[0]
-            rec = self.records(r)
-            pend = np.flatnonzero((rec.state != OpState.COMPLETED) & self.tables.is_p2p[rec.spec])
-            if len(pend):
-                self.expected = replace(expected, seq=int(rec.p2p_seq[pend[0]]))
+            b = self.records(r).blocked
+            if b is not None and b[1] == "p2p":
+                self.expected = replace(expected, seq=b[2])
 
     # ------------------------------------------------------------ what ranks
     @property
@@ -263,6 +303,29 @@ class JobDumps:
 
     def records(self, rank: int) -> RankRecords:
         """The rank's recorded entries: counters, states and times, after eviction."""
+        return self._records_nccl(rank) if self.nccl else self._records(rank)
+
+    def _blocked_nccl(self, rank: int) -> tuple[str, str, int] | None:
+        """NCCL mode: (group kind, seq kind, seq) of the instruction the GPU is blocked in."""
+        sim = self.sim
+        if sim.finished[rank] or rank in self.plan.dead:
+            return None
+        cat = self.plan.cat
+        pc = int(sim.pc[rank])
+        prog = self.plan.programs[rank][: pc + 1]
+        last = cat.instrs[prog[-1]]
+        first = cat.specs[last.ops[0]]
+        p2p = any(cat.specs[o].is_p2p for o in last.ops)
+        pre = self._prefix_nccl(int(self.layout.pp_rank[rank]))
+        n = pre["p2p" if p2p else "coll"][GROUP_KINDS.index(first.group)]
+        for iid in prog:
+            ins = cat.instrs[iid]
+            if cat.specs[ins.ops[0]].group == first.group and (
+                    any(cat.specs[o].is_p2p for o in ins.ops) == p2p):
+                n += 1
+        return (first.group, "p2p" if p2p else "collective", n)
+
+    def _records(self, rank: int) -> RankRecords:
         t = self.tables
         sim = self.sim
         sids = sim.ops[rank].astype(np.int64)
@@ -314,16 +377,30 @@ class JobDumps:
         for k, name in enumerate(GROUP_KINDS):
             m = (kind == k) & ~p2p
             c0 = pre["coll"][k]
+            if self.gloo:
+                # gloo's pg_status counts every op, p2p included (its work seq_ is the
+                # op count): last_enqueued runs ahead of the recorded collectives
+                m = kind == k
+                c0 = pre["coll"][k] + pre["p2p"][k]
+                counter = op_id
+            else:
+                counter = seq
             if not m.any() and c0 == 0:
                 continue
-            enq_s = int(seq[m].max()) if m.any() else c0
+            enq_s = int(counter[m].max()) if m.any() else c0
             st_m = m & started
             co_m = m & done
             last_seq[name] = (
                 enq_s,
-                int(seq[st_m].max()) if st_m.any() else c0,
-                int(seq[co_m].max()) if co_m.any() else c0,
+                int(counter[st_m].max()) if st_m.any() else c0,
+                int(counter[co_m].max()) if co_m.any() else c0,
             )
+        pend = np.flatnonzero(state != OpState.COMPLETED)
+        blocked = None
+        if len(pend) and rank not in self.plan.dead:
+            j = int(pend[0])
+            blocked = (GROUP_KINDS[int(kind[j])], "p2p" if p2p[j] else "collective",
+                       int(p2p_seq[j] if p2p[j] else seq[j]))
         record_id = pre["records"] + np.arange(n, dtype=np.int64)
         keep = np.arange(n)
         if self.gloo:
@@ -345,6 +422,204 @@ class JobDumps:
             t_complete_ns=t_comp[keep],
             dropped=dropped,
             last_seq=last_seq,
+            blocked=blocked,
+        )
+
+    def _prefix_nccl(self, stage: int) -> dict[str, Any]:
+        """NCCL-mode counters of the steps not simulated: one seq per block."""
+        key = -1 - stage
+        hit = self._prefix_cache.get(key)
+        if hit is not None:
+            return hit
+        cat = self.plan.cat
+        nk = len(GROUP_KINDS)
+        coll, p2p, ops = [0] * nk, [0] * nk, [0] * nk
+        peer: dict[tuple[str, int], int] = {}
+        records = 0
+        for iid, n in self.plan.prefix_instrs[stage].items():
+            ins = cat.instrs[iid]
+            first = cat.specs[ins.ops[0]]
+            k = GROUP_KINDS.index(first.group)
+            is_p2p = any(cat.specs[o].is_p2p for o in ins.ops)
+            if is_p2p:
+                p2p[k] += n
+            else:
+                coll[k] += n
+            if iid in self._fused:
+                ops[k] += n
+                records += n
+            else:
+                ops[k] += n * len(ins.ops)
+                records += n * (len(ins.ops) + (1 if iid in self._closing else 0))
+            for o in ins.ops:
+                spec = cat.specs[o]
+                if spec.is_p2p:
+                    pk = (spec.op, spec.delta)
+                    peer[pk] = peer.get(pk, 0) + n
+        hit = self._prefix_cache[key] = {"coll": coll, "p2p": p2p, "ops": ops, "peer": peer,
+                                         "records": records}
+        return hit
+
+    def _records_nccl(self, rank: int) -> RankRecords:
+        """NCCL mode: entries as ProcessGroupNCCL records them (see docs/builder.md).
+
+        A block (a ``batch_isend_irecv`` p2p batch, or a coalesced DP block) is its
+        member entries, recorded without CUDA events (``scheduled``, never
+        retired, no times), then the closing ``coalesced`` entry with the block's
+        state; all share one ``collective_seq_id`` and one ``p2p_seq_id``, the
+        closing entry repeats the last member's ``op_id`` and has ``is_p2p=False``.
+        A fused block (``coalesce_dp="fused"``) is one ``*_coalesced`` entry.
+        ``state`` follows the GPU (``started`` only with timing);
+        ``time_discovered_*`` are when the watchdog retired the work, or the dump
+        time for works not retired yet. ``last_seq`` holds ``pg_status``: the
+        seq of the last enqueued/started/retired work, p2p works counting their
+        p2p seq (``work.seq_``).
+        """
+        cat = self.plan.cat
+        sim = self.sim
+        assert sim.t_start is not None
+        prog = self.plan.programs[rank]
+        pre = self._prefix_nccl(int(self.layout.pp_rank[rank]))
+        coll = list(pre["coll"])
+        p2pc = list(pre["p2p"])
+        opc = list(pre["ops"])
+        peer = dict(pre["peer"])
+        records = pre["records"]
+        sids = sim.ops[rank].tolist()
+        idx = sim.instr_index[rank].tolist()
+        enq = sim.t_enqueue[rank].tolist()
+        st = sim.t_start[rank].tolist()
+        comp = sim.t_complete[rank].tolist()
+        never_start = {pos for r_, pos in self.plan.hung if r_ == rank}
+        timing = self.timing
+        off = float(self.offsets_ms[rank])
+        dump_ms = self.dump_time_ms(rank) - off
+        # the watchdog polls every _WATCHDOG_MS with a per-rank phase: it retires a
+        # completed work (and stamps its discovery times) at its next poll
+        phase = ((rank * 40503) % 997) / 997.0 * _WATCHDOG_MS
+        last_poll = math.floor((dump_ms - phase) / _WATCHDOG_MS) * _WATCHDOG_MS + phase
+
+        def poll_after(t: float) -> float:
+            return math.ceil((t - phase) / _WATCHDOG_MS) * _WATCHDOG_MS + phase
+
+        c_spec: list[int] = []
+        c_seq: list[int] = []
+        c_p2p: list[int] = []
+        c_op: list[int] = []
+        c_peer: list[int] = []
+        c_state: list[int] = []
+        c_enq: list[float] = []
+        c_start: list[float] = []  # discovered, ms (NaN = never)
+        c_comp: list[float] = []
+        c_block: list[int] = []
+        c_retired: list[bool] = []
+        c_dur: list[float] = []
+        nk = len(GROUP_KINDS)
+        # pg_status per group kind: seq of the last enqueued / started / retired work
+        status = [[pre["coll"][k], -1 if not timing else pre["coll"][k], pre["coll"][k]] for k in range(nk)]
+        touched = [bool(pre["coll"][k] or pre["p2p"][k]) for k in range(nk)]
+        blocked: tuple[str, str, int] | None = None
+        nan = math.nan
+        j = 0
+        n = len(sids)
+
+        def row(spec: int, k: int, state: int, t_enq: float, t_s: float, t_c: float, block: int,
+                retired: bool, dur: float) -> None:
+            c_spec.append(spec)
+            c_seq.append(coll[k])
+            c_p2p.append(p2pc[k])
+            c_op.append(opc[k])
+            c_state.append(state)
+            c_enq.append(t_enq)
+            c_start.append(t_s)
+            c_comp.append(t_c)
+            c_block.append(block)
+            c_retired.append(retired)
+            c_dur.append(dur)
+
+        while j < n:
+            i = idx[j]
+            end = j
+            while end < n and idx[end] == i:
+                end += 1
+            ins_id = prog[i]
+            ops = sids[j:end]
+            first = cat.specs[ops[0]]
+            k = GROUP_KINDS.index(first.group)
+            is_p2p = any(cat.specs[o].is_p2p for o in ops)
+            if is_p2p:
+                p2pc[k] += 1
+            else:
+                coll[k] += 1
+            work_seq = p2pc[k] if is_p2p else coll[k]
+            t0 = enq[j]
+            gpu_started = not math.isnan(st[j]) and i not in never_start
+            done = not math.isnan(comp[j])
+            started = gpu_started and timing
+            state = OpState.COMPLETED if done else (OpState.STARTED if started else OpState.SCHEDULED)
+            retired = done and poll_after(comp[j]) <= last_poll
+            if done:
+                d_comp = poll_after(comp[j]) if retired else dump_ms
+                d_start = d_comp if timing else nan
+            else:
+                d_comp = nan
+                d_start = dump_ms if started else nan
+            dur = comp[j] - st[j] if (timing and retired) else nan
+            closing = self._closing.get(ins_id)
+            fused = self._fused.get(ins_id)
+            if fused is not None:
+                opc[k] += 1
+                c_peer.append(NO_INDEX)
+                row(fused, k, state, t0, d_start, d_comp, 0, retired, dur)
+            else:
+                for o in ops:
+                    spec = cat.specs[o]
+                    opc[k] += 1
+                    if spec.is_p2p:
+                        pk = (spec.op, spec.delta)
+                        peer[pk] = peer.get(pk, 0) + 1
+                        c_peer.append(peer[pk])
+                    else:
+                        c_peer.append(NO_INDEX)
+                    if closing is None:
+                        row(o, k, state, t0, d_start, d_comp, 0, retired, dur)
+                    else:
+                        row(o, k, OpState.SCHEDULED, t0, nan, nan, 1, False, nan)
+                if closing is not None:
+                    c_peer.append(NO_INDEX)
+                    row(closing, k, state, t0 + 0.002, d_start, d_comp, 2, retired, dur)
+            if blocked is None and not done and rank not in self.plan.dead:
+                blocked = (first.group, "p2p" if is_p2p else "collective", work_seq)
+            touched[k] = True
+            status[k][0] = work_seq
+            if started:
+                status[k][1] = work_seq
+            if retired:
+                status[k][2] = work_seq
+            j = end
+        total = len(c_spec)
+        keep = slice(max(0, total - self.ring_size), total)
+        start_arr = np.asarray(c_start[keep])
+        comp_arr = np.asarray(c_comp[keep])
+        start_ns = self._ns(np.nan_to_num(start_arr + off, nan=0.0))
+        comp_ns = self._ns(np.nan_to_num(comp_arr + off, nan=0.0))
+        return RankRecords(
+            spec=np.asarray(c_spec[keep], dtype=np.int32),
+            record_id=records + np.arange(total, dtype=np.int64)[keep],
+            seq=np.asarray(c_seq[keep], dtype=np.int64),
+            p2p_seq=np.asarray(c_p2p[keep], dtype=np.int64),
+            op_id=np.asarray(c_op[keep], dtype=np.int64),
+            peer_seq=np.asarray(c_peer[keep], dtype=np.int64),
+            state=np.asarray(c_state[keep], dtype=np.uint8),
+            t_enqueue_ns=self._ns(np.asarray(c_enq[keep]) + off),
+            t_start_ns=np.where(np.isnan(start_arr), 0, start_ns),
+            t_complete_ns=np.where(np.isnan(comp_arr), 0, comp_ns),
+            dropped=records + max(0, total - self.ring_size),
+            last_seq={GROUP_KINDS[k]: (v[0], v[1], v[2]) for k, v in enumerate(status) if touched[k]},
+            block=np.asarray(c_block[keep], dtype=np.uint8),
+            retired=np.asarray(c_retired[keep], dtype=bool),
+            blocked=blocked,
+            duration_ms=np.asarray(c_dur[keep], dtype=np.float64),
         )
 
     def _ns(self, ms: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
@@ -359,10 +634,14 @@ class JobDumps:
         """The rank's process id (deterministic)."""
         return 4000 + (rank * 7919 + self.seed * 104729) % 60000
 
+    def dump_time_ms(self, rank: int) -> float:
+        """When ``rank`` dumped, in ms on its own clock (peers follow within ~0.2 s)."""
+        spread = ((rank * 2654435761) % 1000) / 1000.0 * 200.0
+        return float(self.dump_ms + spread + self.offsets_ms[rank])
+
     def dump_time_ns(self, rank: int) -> int:
         """When ``rank`` dumped, on its own clock (peers follow the first within ~0.2 s)."""
-        spread = ((rank * 2654435761) % 1000) / 1000.0 * 200.0
-        return int(self._ns(np.array([self.dump_ms + spread + self.offsets_ms[rank]]))[0])
+        return int(self._ns(np.array([self.dump_time_ms(rank)]))[0])
 
     def _pending_spec(self, rank: int) -> int | None:
         sim = self.sim
@@ -555,6 +834,8 @@ class JobDumps:
         pg_tuple = {k: (g.name, g.desc) for k, g in groups.items()}
         entries = []
         states = rec.state.tolist()
+        retired_col = rec.retired.tolist() if rec.retired is not None else None
+        durations = rec.duration_ms.tolist() if rec.duration_ms is not None else None
         for i, sid in enumerate(rec.spec.tolist()):
             spec = cat.specs[sid]
             st = states[i]
@@ -562,6 +843,12 @@ class JobDumps:
             thread = SITES[spec.site][1]
             if self.gloo:
                 state_name, t_s, t_c = "scheduled", None, None
+            elif retired_col is not None:
+                # NCCL mode: discovery times are their own columns (0 = never discovered)
+                state_name = _STATE_NAMES[OpState(st)]
+                t_s = int(rec.t_start_ns[i]) or None
+                t_c = int(rec.t_complete_ns[i]) or None
+                done = retired_col[i]
             else:
                 state_name = _STATE_NAMES[OpState(st)]
                 t_s = int(rec.t_start_ns[i]) if st != OpState.SCHEDULED else None
@@ -579,6 +866,8 @@ class JobDumps:
                     "op_id": int(rec.op_id[i]),
                     "profiling_name": profiling(sid),
                     "time_created_ns": int(rec.t_enqueue_ns[i]),
+                    **({} if durations is None or math.isnan(durations[i])
+                       else {"duration_ms": round(durations[i], 6)}),
                     "input_sizes": [list(s) for s in spec.in_sizes],
                     "input_dtypes": list(spec.in_dtypes),
                     "output_sizes": [list(s) for s in spec.out_sizes],

@@ -27,6 +27,11 @@ class Expected:
     causes, most likely first. ``group``/``seq``/``seq_kind``/``op`` locate the
     collective (or p2p op) where the fault shows; ``waiting_ranks`` are the members
     that entered it and wait. ``groups`` lists every group of a wait cycle.
+    ``blocked`` says, for every rank with an unfinished op, where it is really
+    blocked: ``(rank, group name, group ranks, "collective"|"p2p", seq)`` of its
+    earliest unfinished op (a coalesced block counted by its closing entry);
+    ranks absent from it have nothing unfinished (finished, stuck in Python, or
+    dead).
     """
 
     status: str
@@ -41,6 +46,7 @@ class Expected:
     also_acceptable: tuple[str, ...] = ()
     missing_dumps: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    blocked: tuple[tuple[int, str, tuple[int, ...], str, int], ...] = ()
 
     @property
     def kind(self) -> str | None:

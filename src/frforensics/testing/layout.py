@@ -15,6 +15,8 @@ Group names imitate what real jobs write: the default group is ``"0"``
 (``default_pg``); every TP group shares **one** hashed name (as ``split_group`` /
 DeviceMesh produce: same name, different members), while each DP and PP group has
 its own hashed name (the SHA-1 of its ranks, as ``new_group(use_hashed_name)``).
+With ``shared_tp_name=False`` (gloo jobs: ``split_group`` shares a name only on
+NCCL) every TP group gets its own hashed name too.
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ class GroupSpec:
 class Layout:
     """TP-major layout of ranks into groups; see the module docstring."""
 
-    def __init__(self, *, tp: int, dp: int, pp: int) -> None:
+    def __init__(self, *, tp: int, dp: int, pp: int, shared_tp_name: bool = True) -> None:
         if min(tp, dp, pp) < 1:
             raise ValueError("tp, dp and pp must be at least 1")
         self.tp, self.dp, self.pp = tp, dp, pp
+        self.shared_tp_name = shared_tp_name
         self.world_size = tp * dp * pp
         ws = self.world_size
         ranks = np.arange(ws)
@@ -95,7 +98,7 @@ class Layout:
         for ranks in members:
             if kind == "default":
                 name = "0"
-            elif kind == "tp":
+            elif kind == "tp" and self.shared_tp_name:
                 name = shared
             else:
                 name = _hashed(ranks)

@@ -29,7 +29,7 @@ from typing import Final
 
 from frforensics.model import Frame
 
-__all__ = ["SITES", "Catalog", "Instr", "OpSpec", "ScheduleConfig", "build_stage_step"]
+__all__ = ["SITES", "Catalog", "Instr", "OpSpec", "ScheduleConfig", "build_stage_step", "closing_site"]
 
 _TORCH: Final = "/usr/local/lib/python3.12/dist-packages/torch"
 _MEG: Final = "/workspace/Megatron-LM/megatron"
@@ -264,6 +264,31 @@ SITES["pp_extra_recv"] = (
     "python",
 )
 
+_CONTEXTLIB: Final = "/usr/local/lib/python3.12/contextlib.py"
+
+
+def closing_site(site: str) -> str:
+    """The call site of the ``nccl:coalesced`` entry that closes a block of ``site`` ops.
+
+    The closing entry is recorded when ``_coalescing_manager`` exits (it calls
+    ``_end_coalescing``), so its two innermost frames are that context manager's
+    and the rest is the caller's stack (sites that differ only in their two
+    innermost frames, like a batch's send and recv, share one closing site).
+    """
+    return _CLOSING[site]
+
+
+_CLOSING: Final[dict[str, str]] = {}
+_closing_by_frames: dict[tuple[Frame, ...], str] = {}
+for _name in list(SITES):
+    _frames, _thread = SITES[_name]
+    _end = (Frame(_C10D, 3825, "_coalescing_manager"), Frame(_CONTEXTLIB, 148, "__exit__"), *_frames[2:])
+    if _end not in _closing_by_frames:
+        _closing_by_frames[_end] = f"{_name}/end"
+        SITES[f"{_name}/end"] = (_end, _thread)
+    _CLOSING[_name] = _closing_by_frames[_end]
+del _closing_by_frames
+
 #: op name as PyTorch's NCCL backend spells it in ``profiling_name``.
 WIRE_NAMES: Final = {
     "all_reduce": "all_reduce",
@@ -273,6 +298,10 @@ WIRE_NAMES: Final = {
     "send": "send",
     "recv": "recv",
     "barrier": "all_reduce_barrier",
+    "coalesced": "coalesced",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+    "all_reduce_coalesced": "allreduce_coalesced",
+    "all_gather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
 }
 
 Shape = tuple[int, ...]
@@ -361,9 +390,15 @@ class ScheduleConfig:
 
 
 def build_stage_step(
-    cat: Catalog, cfg: ScheduleConfig, *, stage: int, pp: int, tp: int, dp: int, log_step: bool
+    cat: Catalog, cfg: ScheduleConfig, *, stage: int, pp: int, tp: int, dp: int, log_step: bool,
+    coalesce_dp: bool = False,
 ) -> list[int]:
-    """The instruction ids of one training step on pipeline stage ``stage``."""
+    """The instruction ids of one training step on pipeline stage ``stage``.
+
+    With ``coalesce_dp`` the DP reduce_scatter (and all_gather) of the gradient
+    buckets is one coalesced block (Megatron's ``_coalescing_manager`` around the
+    per-bucket calls): one instruction holding one op per bucket.
+    """
     P, M = pp, cfg.micro_batches
     act: Shape = (cfg.seq_len, cfg.micro_batch_size, cfg.hidden)
     bf16, f32, i64 = ("BFloat16",), ("Float",), ("Long",)
@@ -438,16 +473,26 @@ def build_stage_step(
     if log_step and last and dp > 1:
         add(coll("all_reduce", "dp", "loss_dp", (1,), (1,), f32, 0.05))
     if dp > 1:
-        for numel in cfg.grad_buckets:
-            add(coll("reduce_scatter_tensor", "dp", "dp_rs", (numel,), (numel // dp,), f32, 2.0 + numel / 1e7))
+        rs = [coll("reduce_scatter_tensor", "dp", "dp_rs", (n,), (n // dp,), f32, 2.0 + n / 1e7)
+              for n in cfg.grad_buckets]
+        if coalesce_dp:
+            add(*rs)
+        else:
+            for spec in rs:
+                add(spec)
     pending[0] += 0.3
     tp_ar("norm_tp", (1,), f32, 0.03)
     if P > 1:
         add(coll("all_reduce", "pp", "norm_pp", (1,), (1,), f32, 0.03))
     pending[0] += cfg.optimizer_ms
     if dp > 1:
-        for numel in cfg.grad_buckets:
-            add(coll("all_gather_into_tensor", "dp", "dp_ag", (numel // dp,), (numel,), bf16, 1.0 + numel / 2e7))
+        ag = [coll("all_gather_into_tensor", "dp", "dp_ag", (n // dp,), (n,), bf16, 1.0 + n / 2e7)
+              for n in cfg.grad_buckets]
+        if coalesce_dp:
+            add(*ag)
+        else:
+            for spec in ag:
+                add(spec)
     if log_step:
         pending[0] += 0.5
         add(coll("all_gather_into_tensor", "default", "world_ag", (1,), (tp * dp * pp,), f32, 0.2))

@@ -3,9 +3,10 @@
 The rules (the heart of the dump factory):
 
 - Each rank runs its program, a list of instructions; an instruction is one
-  collective or one batch of p2p ops posted together (``isend``/``irecv`` then
-  wait on all). A rank posts its next instruction only when the current one has
-  completed.
+  collective, one coalesced block of collectives of one group (one seq for the
+  block), or one batch of p2p ops posted together (``isend``/``irecv`` then wait
+  on all). A rank's GPU starts its next instruction only when the current one
+  has completed (the caller stream waits for each op's result).
 - Enqueue time = when the rank got free + the compute before the op + jitter +
   straggler delay.
 - A collective on group G with per-group number ``s`` completes when every member
@@ -17,6 +18,13 @@ The rules (the heart of the dump factory):
   ``max(both enqueues) + duration``; a batch completes when all its ops have.
 - The run ends when no rank can progress: blocked ranks keep their pending
   instruction (posted, not completed) and never post anything later.
+- ``kernel_hung`` ops complete on every member but the hung rank, whose kernel
+  started and never finishes (its peers move on).
+- NCCL mode (``run_ahead`` given): the times above are the GPU's (``t_start``);
+  the CPU enqueues instruction ``i`` once the GPU finished instruction ``i - k``
+  (``k`` = the rank's run-ahead depth), so ``t_enqueue <= t_start``, and a rank
+  whose GPU is blocked at instruction ``pc`` has also enqueued ``pc+1 .. pc+k-1``:
+  those ops are appended as *queued* (never started).
 
 Timing is pure dataflow (maxima and sums), so the order in which ready ranks are
 processed does not change any time: the result is deterministic.
@@ -46,7 +54,7 @@ class SimResult:
 
     ops: list[npt.NDArray[np.int32]]  # per rank: catalog spec id of each posted op
     instr_index: list[npt.NDArray[np.int32]]  # per rank: program index of each posted op
-    t_enqueue: list[npt.NDArray[np.float64]]
+    t_enqueue: list[npt.NDArray[np.float64]]  # CPU enqueue (= GPU start outside NCCL mode)
     t_complete: list[npt.NDArray[np.float64]]
     finished: npt.NDArray[np.bool_]  # ran its whole program
     pc: npt.NDArray[np.int64]  # program index of the pending instruction (or len)
@@ -55,6 +63,10 @@ class SimResult:
     # unmatched p2p ops: (src, dst, "send"|"recv") -> [(rank, op index)]
     pending_p2p: dict[tuple[int, int, str], list[tuple[int, int]]] = field(default_factory=dict)
     last_event_ms: float = 0.0
+    # NCCL mode: GPU start per op (NaN = the GPU never reached it); None otherwise
+    t_start: list[npt.NDArray[np.float64]] | None = None
+    # NCCL mode: per rank, index of the first queued (run-ahead, never started) op
+    queued_from: npt.NDArray[np.int64] | None = None
 
 
 def simulate(
@@ -67,22 +79,32 @@ def simulate(
     jitter: list[list[float]],
     delay_from: dict[int, tuple[int, float]],
     hung: set[tuple[int, int]],
+    kernel_hung: set[tuple[int, int]] | None = None,
+    delayed: dict[int, set[int]] | None = None,
+    run_ahead: list[int] | None = None,
 ) -> SimResult:
     """Run ``programs`` (instruction ids per rank) to the end or to a standstill.
 
     ``start_counts[r, k]`` is rank ``r``'s collective count on group kind ``k``
     before the first simulated instruction (steps not simulated); ``jitter[r][i]``
     is added to instruction ``i``'s enqueue time; ``delay_from[r] = (i0, ms)``
-    delays every instruction ``>= i0``; ``hung`` holds ``(rank, instr index)``
-    whose op never starts on that rank.
+    delays every instruction ``>= i0`` (only those in ``delayed[r]``, if given); ``hung`` holds ``(rank, instr index)``
+    whose op never starts on that rank; ``kernel_hung`` holds ``(rank, instr
+    index)`` whose kernel starts and never finishes while its peers complete;
+    ``run_ahead[r]`` (NCCL mode) is rank ``r``'s CPU run-ahead depth (>= 1).
     """
     # Millions of small tuples and lists: the cyclic GC would rescan them all on
     # every collection (quadratic); nothing here makes reference cycles.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(layout, cat, programs, start_ms=start_ms, start_counts=start_counts,
-                         jitter=jitter, delay_from=delay_from, hung=hung)
+        sim = _simulate(layout, cat, programs, start_ms=start_ms, start_counts=start_counts,
+                        jitter=jitter, delay_from=delay_from, hung=hung,
+                        kernel_hung=kernel_hung or set(), delayed=delayed)
+        if run_ahead is not None:
+            _run_ahead(sim, cat, programs, start_ms=start_ms, depth=run_ahead, delay_from=delay_from,
+                       delayed=delayed)
+        return sim
     finally:
         if enabled:
             gc.enable()
@@ -98,6 +120,8 @@ def _simulate(
     jitter: list[list[float]],
     delay_from: dict[int, tuple[int, float]],
     hung: set[tuple[int, int]],
+    kernel_hung: set[tuple[int, int]],
+    delayed: dict[int, set[int]] | None,
 ) -> SimResult:
     """The simulation proper (see :func:`simulate`)."""
     ws = layout.world_size
@@ -106,6 +130,8 @@ def _simulate(
     kind_of = [_KIND_INDEX[s.group] for s in specs]
     dur_of = [s.duration_ms for s in specs]
     sig_of = [s.signature for s in specs]
+    coll_instr = [not any(specs[o].is_p2p for o in ins.ops) for ins in instrs]
+    isig_of = [tuple(sig_of[o] for o in ins.ops) for ins in instrs]
     send_of = [s.op == "send" for s in specs]
     delta_of = [s.delta for s in specs]
     gid_of = [layout.gid_of[k].tolist() for k in GROUP_KINDS]
@@ -127,6 +153,7 @@ def _simulate(
     nan = math.nan
     ready = list(range(ws - 1, -1, -1))
     last_event = 0.0
+    hung_kernels: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
 
     def finish_p2p(rank: int, tc: float) -> None:
         outstanding[rank] -= 1
@@ -146,38 +173,48 @@ def _simulate(
         ins = instrs[prog[i]]
         t = now[r] + ins.compute_ms + jitter[r][i]
         d = delay_from.get(r)
-        if d is not None and i >= d[0]:
+        if d is not None and i >= d[0] and (delayed is None or r not in delayed or i in delayed[r]):
             t += d[1]
         if t > last_event:
             last_event = t
         base = len(ops[r])
-        if len(ins.ops) == 1 and not specs[ins.ops[0]].is_p2p:
+        if coll_instr[prog[i]]:
+            # one collective, or one coalesced block of one group's collectives
             sid = ins.ops[0]
             k = kind_of[sid]
             gid = gid_of[k][r]
             counts[r][k] += 1
             key = (gid, counts[r][k])
-            ops[r].append(sid)
-            ins_idx[r].append(i)
-            enq[r].append(t)
-            comp[r].append(nan)
+            for o in ins.ops:
+                ops[r].append(o)
+                ins_idx[r].append(i)
+                enq[r].append(t)
+                comp[r].append(nan)
             members = colls.get(key)
             if members is None:
                 members = colls[key] = []
             members.append((r, base, t, i))
             if len(members) == gsize[gid]:
-                sig = sig_of[sid]
-                ok = all(sig_of[ops[m][mi]] == sig for m, mi, _, _ in members)
+                sig = isig_of[prog[i]]
+                ok = all(isig_of[programs[m][mi_]] == sig for m, _, _, mi_ in members)
                 if ok and not any((m, mi_) in hung for m, _, _, mi_ in members):
-                    tc = max(x[2] for x in members) + dur_of[sid]
+                    tc = max(x[2] for x in members) + max(dur_of[o] for o in ins.ops)
                     if tc > last_event:
                         last_event = tc
-                    for m, mi, _, _ in members:
-                        comp[m][mi] = tc
+                    stalled = []
+                    for m, mi, _, mi_ in members:
+                        if (m, mi_) in kernel_hung:
+                            stalled.append((m, mi, ops[m][mi]))
+                            continue
+                        for j in range(len(ins.ops)):
+                            comp[m][mi + j] = tc
                         now[m] = tc
                         pc[m] += 1
                         ready.append(m)
                     del colls[key]
+                    if stalled:
+                        colls[key] = [(m, mi, 0.0, -1) for m, mi, _ in stalled]
+                        hung_kernels[key] = stalled
             continue
         # a batch of p2p ops, posted together
         outstanding[r] = len(ins.ops)
@@ -227,7 +264,74 @@ def _simulate(
         t_complete=[np.asarray(o, dtype=np.float64) for o in comp],
         finished=np.asarray([pc[r] >= len(programs[r]) for r in range(ws)], dtype=bool),
         pc=np.asarray(pc, dtype=np.int64),
-        pending_collectives={k: [(m, mi, ops[m][mi]) for m, mi, _, _ in v] for k, v in colls.items()},
+        pending_collectives={
+            k: hung_kernels.get(k) or [(m, mi, ops[m][mi]) for m, mi, _, _ in v] for k, v in colls.items()
+        },
         pending_p2p=pending_p2p,
         last_event_ms=last_event,
     )
+
+
+def _run_ahead(
+    sim: SimResult, cat: Catalog, programs: list[list[int]], *, start_ms: npt.NDArray[np.float64],
+    depth: list[int], delay_from: dict[int, tuple[int, float]], delayed: dict[int, set[int]] | None,
+) -> None:
+    """Turn GPU times into NCCL-mode CPU enqueue times and append the queued ops.
+
+    The CPU enqueues instruction ``i`` a little after instruction ``i - 1``
+    (``_CPU_MS``) but not before the GPU completed instruction ``i - k``; never
+    after the GPU started it. A blocked rank's CPU has enqueued ``k - 1``
+    instructions past the one its GPU is blocked in: those ops are queued. A
+    straggler's delay is its CPU's (slow Python, data loading): the GPU waited
+    for the CPU, so a delayed instruction is enqueued just before it starts.
+    """
+    instrs = cat.instrs
+    sim.t_start = []
+    queued_from = np.zeros(len(programs), dtype=np.int64)
+    for r, prog in enumerate(programs):
+        k = max(1, depth[r])
+        start = sim.t_enqueue[r]
+        comp = sim.t_complete[r]
+        idx = sim.instr_index[r]
+        ops = sim.ops[r].tolist()
+        idx_l = idx.tolist()
+        # per instruction: GPU start and completion (NaN = never)
+        n_ins = int(sim.pc[r]) + (0 if sim.finished[r] else 1)
+        ins_start = [math.nan] * n_ins
+        ins_comp = [math.nan] * n_ins
+        for j, i in enumerate(idx_l):
+            ins_start[i] = float(start[j])
+            if not math.isnan(comp[j]):
+                ins_comp[i] = float(comp[j])
+        last = n_ins if sim.finished[r] else min(len(prog), n_ins - 1 + k)
+        cpu = [0.0] * last
+        prev = float(start_ms[r])
+        slow = delay_from.get(r)
+        for i in range(last):
+            t = prev + _CPU_MS
+            if i - k >= 0:
+                t = max(t, ins_comp[i - k])
+            if i < n_ins and not math.isnan(ins_start[i]):
+                if slow is not None and i >= slow[0] and (delayed is None or r not in delayed or i in delayed[r]):
+                    t = ins_start[i]  # the CPU was the bottleneck
+                t = min(t, ins_start[i] - _LAUNCH_MS)
+            cpu[i] = t
+            prev = t
+        extra_ops: list[int] = []
+        extra_idx: list[int] = []
+        for i in range(n_ins, last):
+            for o in instrs[prog[i]].ops:
+                extra_ops.append(o)
+                extra_idx.append(i)
+        queued_from[r] = len(ops)
+        sim.t_start.append(np.concatenate([start, np.full(len(extra_ops), math.nan)]))
+        sim.t_enqueue[r] = np.asarray([cpu[i] for i in idx_l + extra_idx], dtype=np.float64)
+        sim.t_complete[r] = np.concatenate([comp, np.full(len(extra_ops), math.nan)])
+        sim.ops[r] = np.asarray(ops + extra_ops, dtype=np.int32)
+        sim.instr_index[r] = np.asarray(idx_l + extra_idx, dtype=np.int32)
+    sim.queued_from = queued_from
+
+
+#: CPU time to enqueue one op, and the launch gap between enqueue and GPU start (ms).
+_CPU_MS = 0.04
+_LAUNCH_MS = 0.012

@@ -21,7 +21,8 @@ often than the typical rank, is a straggler. Severity warning (status
 ``degraded`` when alone): nothing hangs, the job is slow.
 
 Dumps without completion times (PyTorch's gloo recorder) fall back to enqueue
-times: per-rank clock offsets are estimated as each rank's median arrival
+times — never NCCL dumps, whose CPU runs ahead of the GPU (an enqueue time is
+not an arrival there): per-rank clock offsets are estimated as each rank's median arrival
 offset, and a member's previous release as the last arrival at its previous
 collective. Per-rank clock offsets are always estimated (from completions when
 known, which are near-simultaneous on all members) and reported in evidence.
@@ -64,6 +65,11 @@ FLOOR_NS: Final = 1_000_000  # lateness below 1 ms is never worth a warning
 SIGMAS: Final = 8.0
 MIN_BLAMED: Final = 3
 MIN_FRACTION: Final = 0.05
+#: From enqueue times alone, lateness that propagates (a straggler's peers then
+#: reach their other groups late; with gloo, pipeline neighbours through send/recv
+#: it does not record) cannot be told from its source: when more ranks than this
+#: qualify, none is named.
+MAX_ENQUEUE_ONLY: Final = 1
 
 F8 = npt.NDArray[np.float64]
 I8 = npt.NDArray[np.int64]
@@ -501,6 +507,11 @@ def detect(ctx: Context) -> list[Finding]:
     if t is None:
         return []
     from_completions, has_comp, offset = _basis(t)
+    if not from_completions and ctx.job.gpu_states:
+        # NCCL: the CPU runs ahead of the GPU, so when an op was enqueued says
+        # nothing about when the rank's GPU reached it; without completion times
+        # there is nothing to judge arrivals by
+        return []
     a, think = _lateness_think(t, from_completions, has_comp, offset)
     # the threshold is never below ``floor``: a rank that is not even late by that much
     # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here
@@ -539,6 +550,8 @@ def detect(ctx: Context) -> list[Finding]:
              "estimated from arrivals)")
     findings: list[Finding] = []
     order = sorted(flagged.tolist(), key=lambda p: -float(np.median(a[(table.pos == p) & blamed])))
+    if not table.from_completions and len(order) > MAX_ENQUEUE_ONLY:
+        return [_unattributed(ctx, table, order, count, total, threshold, basis)]
     for p in order:
         rank = int(table.ranks[p])
         mine = (table.pos == p) & blamed
@@ -582,3 +595,27 @@ def detect(ctx: Context) -> list[Finding]:
             },
         ))
     return findings[: ctx.options.max_findings_per_kind]
+
+
+def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: npt.NDArray[Any],
+                  total: npt.NDArray[Any], threshold: float, basis: str) -> Finding:
+    """One warning, naming no rank, when enqueue times cannot tell the source."""
+    ranks = sorted(int(table.ranks[p]) for p in order)
+    return Finding(
+        kind=FindingKind.STRAGGLER,
+        severity=Severity.WARNING,
+        message=(f"ranks {ctx.ranks(ranks)} arrive late at their collectives, but judged from "
+                 f"{basis}, lateness that one slow rank passes on to its peers' other groups "
+                 "cannot be told from its source: no rank is named (candidates in "
+                 "evidence.candidates; dumps with completion times, e.g. frforensics' own, "
+                 "can tell)"),
+        culprit_ranks=(),
+        waiting_ranks=(),
+        evidence={
+            "candidates": ranks,
+            "late_in": {str(int(table.ranks[p])): int(count[p]) for p in order[:32]},
+            "collectives": {str(int(table.ranks[p])): int(total[p]) for p in order[:32]},
+            "threshold_ms": round(threshold / 1e6, 3),
+            "basis": "enqueue",
+        },
+    )
