@@ -71,8 +71,9 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
             tcpstore_client,
         )
 
-        store = tcpstore_client(prefix="")
-        base = f"frforensics/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/verdict/"
+        # the recorder's keys: PrefixStore("frforensics/<restart>") + "verdict/<k>"
+        store = tcpstore_client(prefix=f"frforensics/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        base = "verdict/"
         found = None
         for k in range(self.max_incidents):
             if not store.check([f"{base}{k}"]):

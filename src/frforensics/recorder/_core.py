@@ -156,7 +156,9 @@ class Recorder:
         # The process whose groups these are (set at the first group): a forked
         # child inherits this state but must never write that rank's dump.
         self.owner_pid: int | None = None
-        self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
+        # c10d's PrefixStore joins prefix and key with "/": keys are
+        # "frforensics/<restart>/dump_flag", "frforensics/<restart>/hb/<rank>", ...
+        self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.resolution_ns = int(config.poll_interval_s * 1e9)
 
     # ------------------------------------------------------------ hot-path helpers

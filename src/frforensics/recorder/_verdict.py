@@ -352,7 +352,7 @@ class VerdictAgent(threading.Thread):
         rec = self.rec
         t0 = time.monotonic()
         dump_dir = rec.config.dump_dir
-        work = dump_dir / ".frforensics_verdict" / f"{rec.namespace.strip('/').replace('/', '-')}-{inc.k}"
+        work = dump_dir / ".frforensics_verdict" / f"{rec.namespace.replace('/', '-')}-{inc.k}"
         work.mkdir(parents=True, exist_ok=True)
         paths, inputs = self._inputs(inc.k, store, world, work)
         listing = work / "paths.txt"
@@ -536,7 +536,7 @@ class VerdictAgent(threading.Thread):
                                  for a in verdict.get("actions", [])[:8])
                 culprits = ", ".join(str(r) for r in verdict.get("culprit_ranks", [])[:32])
                 log.warning("frforensics: verdict by rank %s on %s: %s — culprits [%s] (%s) — %s "
-                            "(store key %sverdict/%s)",
+                            "(store key %s/verdict/%s)",
                             verdict.get("elected_rank"), verdict.get("host"),
                             verdict.get("headline"), culprits, acts, verdict.get("verdict_json"),
                             self.rec.namespace, inc.k)
