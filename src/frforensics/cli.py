@@ -33,7 +33,7 @@ app = typer.Typer(
     help="Name the rank that hung a PyTorch distributed job, from its flight-recorder dumps.",
 )
 
-SUBCOMMANDS = ("analyze", "convert", "timeline")
+SUBCOMMANDS = ("analyze", "convert", "timeline", "verdict")
 
 
 class Format(str, Enum):
@@ -227,6 +227,50 @@ def timeline(
     print(f"wrote {output}: {len(summary.ranks)} rank(s), {summary.events} events, "
           f"{summary.stuck} stuck op(s); open it in https://ui.perfetto.dev", file=sys.stderr)
     raise typer.Exit(0 if summary.ranks else 2)
+
+
+@app.command()
+def verdict(
+    paths: Annotated[list[Path] | None, typer.Argument(help="Dump files or directories.")] = None,
+    out_dir: Annotated[Path, typer.Option(
+        "--out-dir", help="Folder for verdict.json, verdict.txt and verdict.html.")] = Path("."),
+    paths_from: Annotated[Path | None, typer.Option(
+        "--paths-from", help="A file listing dump paths, one per line (for 10,000 ranks).")] = None,
+    world_size: Annotated[int | None, typer.Option("--world-size", min=1)] = None,
+    hang_after: Annotated[float, typer.Option("--hang-after", min=0.0)] = 1.0,
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", min=1)] = None,
+) -> None:
+    """Write verdict.json (the JSON report), verdict.txt and verdict.html; print the text.
+
+    What the recorder's elected rank runs in a child process at hang time
+    (docs/orchestrators.md); usable by hand on any dumps.
+    """
+    from frforensics.analyzer import AnalyzeOptions, load_dumps
+    from frforensics.analyzer import analyze as run_analysis
+    from frforensics.reporting import html, json_report, text
+
+    listed = [str(p) for p in paths or []]
+    if paths_from is not None:
+        try:
+            listed += [line.strip() for line in paths_from.read_text(encoding="utf-8").splitlines()
+                       if line.strip()]
+        except OSError as exc:
+            raise UsageError(f"{paths_from}: cannot read the path list: {exc}") from None
+    if not listed:
+        raise UsageError("no dump paths given")
+    dumps = load_dumps(listed, jobs=jobs)
+    report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size,
+                                                        hang_after_s=hang_after))
+    human = text.render(report, color=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in (("verdict.json", json_report.render(report)), ("verdict.txt", human),
+                       ("verdict.html", html.render(report))):
+        target = out_dir / name
+        tmp = target.with_name(f".{name}.tmp")
+        tmp.write_text(body, encoding="utf-8")
+        os.replace(tmp, target)
+    sys.stdout.write(human)
+    raise typer.Exit(report.exit_code)
 
 
 #: Loads with fewer files than this finish before a bar is worth drawing.

@@ -276,6 +276,13 @@ class RankTrace:
     #: skips send/recv, yet ``pg_status.last_enqueued_collective`` counts them
     #: (0: none, or unknown)
     unrecorded_ops: int = 0
+    #: physical identity of the rank (orchestrators act on it): ``LOCAL_RANK``,
+    #: the CUDA device index it used, that GPU's UUID and PCI bus id; ``None``
+    #: where unknown (CPU jobs, older dumps, native dumps)
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
 
     def string(self, index: int) -> str:
         """The string at ``index`` of the string table ('' for ``NO_INDEX``)."""

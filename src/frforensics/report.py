@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 __all__ = [
+    "ACTIONS",
     "KIND_SEVERITY",
     "SCHEMA",
+    "Action",
     "Finding",
     "FindingKind",
     "GroupRef",
@@ -25,6 +27,7 @@ __all__ = [
     "Severity",
     "Status",
     "TimelineOp",
+    "code_sides",
     "format_ranks",
 ]
 
@@ -152,7 +155,12 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class RankFacts:
-    """What is known about one rank (JSON ``ranks[str(rank)]``)."""
+    """What is known about one rank (JSON ``ranks[str(rank)]``).
+
+    ``local_rank``, ``cuda_device``, ``gpu_uuid``, ``pci_bus_id``: the rank's
+    physical identity as its dump recorded it (``None`` when unknown or on CPU;
+    in JSON only when known).
+    """
 
     rank: int
     host: str | None = None
@@ -162,6 +170,10 @@ class RankFacts:
     blocked_in: str | None = None
     source: str | None = None
     format: str | None = None
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -176,7 +188,49 @@ class RankFacts:
             out["source"] = self.source
         if self.format is not None:
             out["format"] = self.format
+        for key in ("local_rank", "cuda_device", "gpu_uuid", "pci_bus_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
         return out
+
+
+#: What an orchestrator should do about a culprit rank (DESIGN §3, docs/detectors.md).
+ACTIONS: Final = ("replace_gpu_or_host", "fix_code", "inspect")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """What to do about one culprit rank, with its physical identity.
+
+    ``action``: ``replace_gpu_or_host`` (hardware-like: excluding the GPU/host
+    helps), ``fix_code`` (a bug in the program: excluding it will not help) or
+    ``inspect``. ``because``: the finding kind that decided it; ``detail``: why,
+    in one sentence.
+    """
+
+    rank: int
+    action: str
+    because: str
+    detail: str
+    host: str | None = None
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "action": self.action,
+            "host": self.host,
+            "local_rank": self.local_rank,
+            "cuda_device": self.cuda_device,
+            "gpu_uuid": self.gpu_uuid,
+            "pci_bus_id": self.pci_bus_id,
+            "because": self.because,
+            "detail": self.detail,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +299,8 @@ class Report:
     unreadable: bool = False
     #: Per-rank recent ops for drawn timelines (HTML); not part of the JSON contract.
     timeline: tuple[RankTimeline, ...] = ()
+    #: One entry per culprit rank, in ``culprit_ranks`` order: what to do about it.
+    actions: tuple[Action, ...] = ()
 
     @property
     def status(self) -> Status:
@@ -279,8 +335,28 @@ class Report:
             "ranks": {str(r): facts.to_json() for r, facts in sorted(self.ranks.items())},
             "findings": [f.to_json() for f in self.findings],
             "load_problems": [p.to_json() for p in self.load_problems],
+            "actions": [a.to_json() for a in self.actions],
             "notes": list(self.notes),
         }
+
+
+def code_sides(finding: Finding, *, limit: int = 4) -> list[str]:
+    """For a mismatch: ``'ranks 0,2-3: train.py:73 in step (all_reduce)'`` per distinct
+    call site, from ``evidence.locations`` (and ``evidence.values``); [] otherwise."""
+    locations = finding.evidence.get("locations") if finding.evidence else None
+    if not isinstance(locations, dict) or len(set(locations.values())) < 2:
+        return []
+    values = finding.evidence.get("values")
+    sides: dict[tuple[str, str], list[int]] = {}
+    for rank, where in locations.items():
+        what = str(values.get(rank, "")) if isinstance(values, dict) else ""
+        with_rank = sides.setdefault((str(where), what), [])
+        if str(rank).isdigit():
+            with_rank.append(int(rank))
+    ordered = sorted(sides.items(), key=lambda kv: len(kv[1]))
+    lines = [f"rank{'s' if len(r) > 1 else ''} {format_ranks(r)}: {where}"
+             + (f" ({what})" if what else "") for (where, what), r in ordered]
+    return lines[:limit]
 
 
 def format_ranks(ranks: Sequence[int] | Iterable[int], *, limit: int = 12) -> str:

@@ -290,9 +290,24 @@ def _cases() -> list[tuple[str, str]]:
             if mode == "nccl" or fault not in NCCL_ONLY]
 
 
+#: Known detection gaps, each a strict xfail (it fails the day it is fixed). Both
+#: are misses (no culprit), never wrong culprits: the property tests check that too.
+GAPS = {
+    ("nccl", "straggler"): "NCCL native completion times are the watchdog's 100 ms discovery "
+    "times and enqueue times are the CPU's (it runs ahead), so a 15-30 ms straggler is not "
+    "seen; duration_ms (timing on) would show it, and is not read yet",
+    ("gloo", "straggler"): "gloo native dumps have only enqueue times: a rank late at every op "
+    "cannot be told from a clock offset of its host, and lateness passed on through unrecorded "
+    "send/recv cannot be told from its source (the analyzer abstains)",
+}
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("mode", "fault"), _cases())
-def test_generated_jobs_name_exactly_the_planted_roots(mode: str, fault: str) -> None:
+def test_generated_jobs_name_exactly_the_planted_roots(mode: str, fault: str,
+                                                       request: pytest.FixtureRequest) -> None:
+    if (mode, fault) in GAPS:
+        request.applymarker(pytest.mark.xfail(reason=GAPS[(mode, fault)], strict=True))
     tally = run_batch(mode, fault, range(JOBS[mode]))
     assert not tally.counts, tally.table()
 
@@ -312,3 +327,19 @@ def test_generated_jobs_at_scale(mode: str, fault: str, layout: Layout3) -> None
         pytest.fail(f"{fault} cannot be planted on layout {layout}")
     tally = run_batch(mode, fault, range(2), layout)
     assert not tally.counts, tally.table()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("mode", ["nccl", "gloo"])
+def test_straggler_jobs_never_name_a_rank_that_is_not_the_straggler(mode: str) -> None:
+    """The straggler batches are known gaps (``GAPS``: misses); what they must never
+    do is name another rank: a wrong culprit is worse than none."""
+    wrong = []
+    for seed in range(JOBS[mode]):
+        job = make_job(mode, "straggler", seed)
+        roots = set(job.dumps.expected_native.culprit_ranks)
+        for fmt, report in analyze_native(job.dumps).items():
+            named = {r for f in report.findings for r in f.culprit_ranks}
+            if named - roots:
+                wrong.append(f"{job.describe()} [{fmt}] named {sorted(named)}")
+    assert not wrong, "\n".join(wrong[:5])

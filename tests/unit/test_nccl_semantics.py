@@ -324,3 +324,30 @@ def test_coalesced_block_whose_members_all_use_another_dtype_is_a_dtype_mismatch
     report = run(ranks)
     assert report.culprit_ranks == (3,)
     assert report.findings[0].kind is FindingKind.DTYPE_MISMATCH
+
+
+def test_ops_abandoned_by_a_reconfiguration_are_no_place_to_be_blocked() -> None:
+    # Group 0 (ranks 0-3) hung in #6; recovery excluded rank 2 and re-formed it as
+    # 0@r2 (ranks 0,1,3, seqs from 0). Then rank 3 stops before 0@r2's #4.
+    groups = {"0": ("default_pg", [0, 1, 2, 3]), "0@r2": ("default_pg", [0, 1, 3])}
+    ranks = []
+    for r in (0, 1, 3):
+        rk = Rank(r, groups)
+        for _ in range(5):
+            rk.coll("0", "completed")
+        rk.coll("0", "scheduled")  # abandoned by the reconfiguration
+        for _ in range(3):
+            rk.coll("0@r2", "completed")
+        if r != 3:
+            rk.coll("0@r2", "scheduled")
+        ranks.append(rk)
+    ds = DumpSet()
+    for rk in ranks:
+        trace = decode_dump(pickle.dumps(rk.doc()), source=f"nccl_trace_rank_{rk.rank}",
+                            rank_hint=rk.rank)
+        ds.digests[rk.rank] = digest(trace, rank=rk.rank)
+    report = analyze(ds, options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == (3,)
+    first = report.findings[0]
+    assert first.kind is FindingKind.MISSING_RANK
+    assert first.pg is not None and first.pg.name == "0@r2" and first.seq == 4

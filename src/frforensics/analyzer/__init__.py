@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from frforensics._gc import gc_paused
+from frforensics.analyzer.actions import derive_actions
 from frforensics.analyzer.context import AnalyzeOptions, Context
 from frforensics.analyzer.detectors import DETECTORS
 from frforensics.analyzer.load import DumpSet, load_dumps
@@ -87,16 +88,19 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
                      f"beside it ({len(dumps.companions)} file(s))")
     if dumps.skipped:
         notes.append(f"skipped {len(dumps.skipped)} file(s) that are not dumps")
+    culprits = _culprits(findings)
+    facts = _facts(ctx)
     return Report(
         world_size=job.world_size,
         ranks_loaded=tuple(sorted(job.digests)),
         ranks_missing=tuple(job.missing_dumps),
-        culprit_ranks=_culprits(findings),
-        ranks=_facts(ctx),
+        culprit_ranks=culprits,
+        ranks=facts,
         findings=tuple(findings),
         load_problems=tuple(dumps.problems),
         notes=tuple(notes),
         timeline=_timeline(ctx),
+        actions=derive_actions(ctx, findings, culprits, facts),
     )
 
 
@@ -231,5 +235,9 @@ def _facts(ctx: Context) -> dict[int, RankFacts]:
             blocked_in=None if wait is None else ctx.describe(wait),
             source=d.source,
             format=d.format,
+            local_rank=d.local_rank,
+            cuda_device=d.cuda_device,
+            gpu_uuid=d.gpu_uuid,
+            pci_bus_id=d.pci_bus_id,
         )
     return facts

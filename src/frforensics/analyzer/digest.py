@@ -176,6 +176,11 @@ class RankDigest:
     gpu_states: bool = False
     #: ops the dump does not record (gloo's send/recv, from ``pg_status``)
     unrecorded_ops: int = 0
+    # physical identity (model.RankTrace); None where unknown
+    local_rank: int | None = None
+    cuda_device: int | None = None
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None
 
     def __len__(self) -> int:
         return int(self.seq.shape[0])
@@ -426,4 +431,8 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         unit=unit,
         gpu_states=gpu_states,
         unrecorded_ops=trace.unrecorded_ops,
+        local_rank=trace.local_rank,
+        cuda_device=trace.cuda_device,
+        gpu_uuid=trace.gpu_uuid,
+        pci_bus_id=trace.pci_bus_id,
     )

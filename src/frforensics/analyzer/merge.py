@@ -178,7 +178,10 @@ class JobModel:
             return self._blocked[rank]
         d = self.digests[rank]
         found: int | None = None
+        closed = _superseded_groups(d)
         for row in d.pending_rows().tolist():
+            if int(d.group[row]) in closed:
+                continue  # abandoned by a reconfiguration of its group
             # NCCL reads states off CUDA events at dump time: a scheduled entry
             # there is real; only retirement-based states (gloo) lag
             if not d.gpu_states and not d.is_p2p[row] \
@@ -230,6 +233,33 @@ class JobModel:
 
 def _default_like(info: GroupInfo) -> bool:
     return info.desc == "default_pg"
+
+
+def _reconfig_key(name: str) -> tuple[str, int]:
+    """``'0@r3'`` -> ``('0', 3)``; a name without the suffix is generation -1."""
+    base, sep, uuid = name.rpartition("@r")
+    if sep and base and uuid.isdigit() and len(uuid) < 19:
+        return base, int(uuid)
+    return name, -1
+
+
+def _superseded_groups(d: RankDigest) -> frozenset[int]:
+    """Local indices of ``d``'s groups that a later reconfiguration replaced.
+
+    frforensics' recovery re-forms a group over new members under a new identity,
+    ``<name>@r<uuid>`` with seqs from 0 (as the backend restarts them,
+    ``torch.distributed.distributed_c10d._reconfigure``): ops of the old identity
+    left unfinished were abandoned by the reconfiguration, never completed, and
+    are no place to be blocked in.
+    """
+    if len(d.groups) < 2 or not any("@r" in g.name for g in d.groups):
+        return frozenset()
+    newest: dict[str, int] = {}
+    for g in d.groups:
+        base, gen = _reconfig_key(g.name)
+        newest[base] = max(newest.get(base, -1), gen)
+    return frozenset(i for i, g in enumerate(d.groups)
+                     if _reconfig_key(g.name)[1] < newest[_reconfig_key(g.name)[0]])
 
 
 def _dump_notes(digests: dict[int, RankDigest], *, limit: int = 6) -> list[str]:

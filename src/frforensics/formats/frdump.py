@@ -16,8 +16,9 @@ Layout::
       "threads": [{"name": "MainThread", "ident": 1, "is_main": true, "stack": 4}],
       "stale_peers": [{"rank": 5, "age_s": 12.5}],
       "death": {"kind": "exception", "message": "...", "stack": 7} | null,
-      "notes": []
-    }
+      "notes": [],
+      "local_rank": 3, "cuda_device": 3, "gpu_uuid": "GPU-...", "pci_bus_id": "0000:1b:00.0"
+    }                       # identity keys: absent in older dumps (read as null)
 
 Entries are columns of little-endian integers (``model.ENTRY_COLUMNS``), so a
 2000-entry dump decodes with one ``msgpack.unpackb`` and a few ``np.frombuffer``
@@ -66,11 +67,15 @@ from frforensics.model import (
 
 MAGIC: Final = b"\x93FRDUMP\n"
 FORMAT_NAME: Final = "frforensics.frdump"
-VERSION: Final = 2
+VERSION: Final = 3
 # Version history (readers accept all of them):
 #   1  group members as a msgpack list of ints
 #   2  group members as packed little-endian int32 (a 16k-rank default group in
 #      every rank's dump decodes with one frombuffer, not 16k Python ints)
+#   3  group members that form an arithmetic progression of 8 or more ranks (the
+#      default group, TP blocks, DP/PP strides) as {"arith": [start, step, count]}:
+#      a 10k-rank default group is 3 ints, not 40 KB, in the tail digests the
+#      ranks publish through the c10d store at hang time
 
 __all__ = ["MAGIC", "VERSION", "decode", "encode", "is_frdump", "write_atomic"]
 
@@ -122,6 +127,22 @@ def _i4(values: Sequence[int]) -> bytes:
     return np.asarray(values, dtype="<i4").tobytes()
 
 
+_ARITH_MIN: Final = 8
+
+
+def _ranks_doc(ranks: tuple[int, ...] | None) -> Any:
+    """Group members: ``{"arith": [start, step, count]}`` for a long progression,
+    packed int32 otherwise (None when unknown)."""
+    if ranks is None:
+        return None
+    if len(ranks) >= _ARITH_MIN:
+        steps = np.diff(np.asarray(ranks, dtype=np.int64))
+        step = int(steps[0])
+        if step > 0 and bool((steps == step).all()):
+            return {"arith": [int(ranks[0]), step, len(ranks)]}
+    return _i4(ranks)
+
+
 def encode(trace: RankTrace) -> bytes:
     """Serialize ``trace`` to frdump bytes (magic + msgpack)."""
     tables = _Interner(trace.strings)
@@ -163,7 +184,7 @@ def encode(trace: RankTrace) -> bytes:
             {
                 "name": g.name,
                 "desc": g.desc,
-                "ranks": None if g.ranks is None else _i4(g.ranks),
+                "ranks": _ranks_doc(g.ranks),
                 "backend": g.backend,
             }
             for g in trace.groups
@@ -181,6 +202,10 @@ def encode(trace: RankTrace) -> bytes:
         "death": death,
         "notes": list(trace.notes),
         "unrecorded_ops": trace.unrecorded_ops,
+        "local_rank": trace.local_rank,
+        "cuda_device": trace.cuda_device,
+        "gpu_uuid": trace.gpu_uuid,
+        "pci_bus_id": trace.pci_bus_id,
     }
     packed: bytes = msgpack.packb(doc, use_bin_type=True)
     return MAGIC + packed
@@ -302,10 +327,33 @@ def decode(data: bytes, *, source: str = "<bytes>", limits: Limits = DEFAULT_LIM
         raise CorruptDumpError(f"{source}: malformed frdump ({type(exc).__name__}: {exc})") from None
 
 
+def _small_int(doc: Mapping[str, Any], key: str, source: str) -> int | None:
+    """An optional small non-negative int (device index, local rank): else unknown."""
+    value = _opt_int(doc, key, source)
+    return value if value is not None and 0 <= value < 1 << 20 else None
+
+
+def _short_str(doc: Mapping[str, Any], key: str, source: str) -> str | None:
+    """An optional identifier string, cut to 128 printable characters."""
+    value = _field(doc, key, str, source)
+    if value is None:
+        return None
+    return "".join(c for c in str(value)[:128] if c.isprintable()) or None
+
+
 def _group_ranks(raw: Any, source: str, limits: Limits) -> tuple[int, ...] | None:
-    """Group members: packed int32 (version 2) or a list of ints (version 1)."""
+    """Group members: a progression (version 3), packed int32 (version 2) or a list
+    of ints (version 1), within ``limits``."""
     if raw is None:
         return None
+    if isinstance(raw, dict):
+        arith = raw.get("arith")
+        if (isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith)
+                and arith[1] > 0 and 0 <= arith[2] <= limits.max_rank and arith[0] >= 0
+                and arith[0] + arith[1] * max(arith[2] - 1, 0) < limits.max_rank):
+            start, step, count = arith
+            return tuple(range(start, start + step * count, step))
+        raise CorruptDumpError(f"{source}: group ranks are malformed")
     if isinstance(raw, bytes):
         ranks = _int_column(raw, "group ranks", source)
     elif isinstance(raw, list) and all(type(r) is int for r in raw):
@@ -466,4 +514,8 @@ def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> 
         death=death,
         notes=tuple(notes),
         unrecorded_ops=min(max(_opt_int(doc, "unrecorded_ops", source) or 0, 0), 1 << 53),
+        local_rank=_small_int(doc, "local_rank", source),
+        cuda_device=_small_int(doc, "cuda_device", source),
+        gpu_uuid=_short_str(doc, "gpu_uuid", source),
+        pci_bus_id=_short_str(doc, "pci_bus_id", source),
     )

@@ -25,11 +25,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from frforensics.model import DeathInfo, DumpReason
 from frforensics.recorder._config import RecorderConfig
@@ -37,9 +37,30 @@ from frforensics.recorder._core import Recorder, frames_of_traceback
 
 if TYPE_CHECKING:
     from frforensics.recorder._dump import DumpWriter
+    from frforensics.recorder._live import LiveStragglers
+    from frforensics.recorder._verdict import VerdictAgent
     from frforensics.recorder._watchdog import Watchdog
 
-__all__ = ["disable", "dump", "enable", "is_enabled", "session"]
+__all__ = [
+    "EXIT_NO_VERDICT",
+    "EXIT_VERDICT",
+    "add_verdict_listener",
+    "disable",
+    "dump",
+    "enable",
+    "is_enabled",
+    "last_verdict",
+    "note_reconfigure",
+    "rearm",
+    "request_verdict",
+    "session",
+    "wait_verdict",
+]
+
+#: Exit code of every rank after the verdict with ``abort_after_verdict``
+#: (``FRFORENSICS_ABORT_AFTER_VERDICT=1``); ``EXIT_NO_VERDICT`` when none could be had.
+EXIT_VERDICT = 75
+EXIT_NO_VERDICT = 76
 
 _C = RecorderConfig  # the defaults below are RecorderConfig's, read from the class
 
@@ -55,6 +76,8 @@ class Session:
     rec: Recorder
     writer: DumpWriter
     watchdog: Watchdog | None = None
+    verdict: VerdictAgent | None = None
+    live: LiveStragglers | None = None
 
 
 _lock = threading.Lock()
@@ -66,6 +89,31 @@ _prev_excepthook = sys.excepthook
 def session() -> Session | None:
     """The running recorder (None when off)."""
     return _session
+
+
+def note_reconfigure(group: Any, *, uuid: int, old_members: Sequence[int],
+                     members: Sequence[int], reason: str = "") -> None:
+    """Tell the recorder that ``group`` was re-formed over ``members`` (recorder/_reconfig.py).
+
+    Called by ``frforensics.recovery`` after each ``_reconfigure``; never raises.
+    """
+    s = _session
+    if s is None:
+        return
+    try:
+        from frforensics.recorder._reconfig import Reconfigurations, reconfigured
+
+        log = _state_reconfig.get("log")
+        if log is None:
+            log = _state_reconfig["log"] = Reconfigurations()
+            s.writer.note_providers.append(log.notes)
+        reconfigured(s.rec, group, uuid=uuid, old_members=old_members, members=members,
+                     reason=reason, log=log)
+    except Exception as exc:
+        s.rec.note_error("note_reconfigure", exc)
+
+
+_state_reconfig: dict[str, Any] = {}
 
 
 def is_enabled() -> bool:
@@ -90,6 +138,14 @@ def enable(
     backends: Iterable[str] = _C.wrap_backends,
     cuda_events: bool = _C.cuda_events,
     heartbeat_stale_s: float | None = _C.heartbeat_stale_s,
+    verdict: bool = _C.verdict,
+    verdict_source: str = _C.verdict_source,
+    verdict_timeout_s: float = _C.verdict_timeout_s,
+    on_verdict: Callable[[dict[str, Any]], None] | None = _C.on_verdict,
+    on_verdict_command: str | None = _C.on_verdict_command,
+    hook_timeout_s: float = _C.hook_timeout_s,
+    abort_after_verdict: bool = _C.abort_after_verdict,
+    straggler_interval_s: float | None = _C.straggler_interval_s,
 ) -> Path:
     """Turn the recorder on for every process group created from now on.
 
@@ -104,6 +160,18 @@ def enable(
     the default action. ``backends`` are the backend names routed through the
     recorder.
 
+    At hang time one elected rank computes the verdict in a child process
+    (``verdict``; docs/orchestrators.md): ``verdict_source`` ``"auto"`` (peers'
+    dump files where visible, their store digests otherwise), ``"dir"`` (the
+    dump directory is shared: no digests) or ``"store"``; the analysis gets
+    ``verdict_timeout_s``. ``on_verdict(verdict_dict)`` and
+    ``on_verdict_command`` (run with the verdict.json path appended) run once,
+    on the elected rank, for at most ``hook_timeout_s``; failures are logged.
+    ``abort_after_verdict``: every rank then exits with ``EXIT_VERDICT`` (75),
+    or ``EXIT_NO_VERDICT`` (76) when none could be had.
+    ``straggler_interval_s`` (off by default): exchange arrival times that often
+    and report persistent stragglers while the job runs.
+
     Returns the dump directory. Raises ``ValueError`` for bad arguments only;
     anything going wrong later is logged once and never raised into the job. When
     the installed torch lacks a private API the recorder needs, one stderr line
@@ -116,6 +184,10 @@ def enable(
         dump_signals=dump_signals, teardown_signals=teardown_signals,
         dump_on_exception=dump_on_exception, dump_on_exit=dump_on_exit,
         save_native=save_native, wrap_backends=backends, cuda_events=cuda_events,
+        verdict=verdict, verdict_source=verdict_source, verdict_timeout_s=verdict_timeout_s,
+        on_verdict=on_verdict, on_verdict_command=on_verdict_command or None,
+        hook_timeout_s=hook_timeout_s, abort_after_verdict=abort_after_verdict,
+        straggler_interval_s=straggler_interval_s,
     )
     start(config)
     return config.dump_dir
@@ -125,6 +197,7 @@ def start(config: RecorderConfig) -> Session | None:
     """Turn the recorder on with ``config`` (None when the installed torch fails a probe)."""
     global _session, _hooks_installed, _prev_excepthook
     from frforensics.recorder._dump import DumpWriter
+    from frforensics.recorder._live import LiveStragglers
 
     try:
         from frforensics.recorder import _c10d
@@ -146,6 +219,17 @@ def start(config: RecorderConfig) -> Session | None:
         writer = DumpWriter(rec)
         writer.native_source = _c10d.native_dumps
         sess = Session(rec, writer)
+        from frforensics.recorder._verdict import VerdictAgent
+
+        agent = VerdictAgent(rec, writer, listeners=_listeners)
+        writer.post_dump_hooks.append(agent.on_dump_written)
+        sess.verdict = agent
+        agent.start()
+        if config.straggler_interval_s:
+            from frforensics.recorder._live import LiveStragglers
+
+            sess.live = LiveStragglers(rec, agent, config.straggler_interval_s)
+            sess.live.start()
         rec.group_listeners.append(lambda _state: _start_watchdog(sess))
         for missing in probes.degraded:
             rec.unrecorded.append(f"{missing} missing in this torch: batched p2p ops run "
@@ -190,6 +274,10 @@ def disable() -> None:
 
 def _stop(sess: Session) -> None:
     sess.rec.active = False
+    if sess.verdict is not None:
+        sess.verdict.stop()
+    if sess.live is not None:
+        sess.live.stop()
     with contextlib.suppress(Exception):
         from frforensics.recorder import _c10d
 
@@ -215,6 +303,62 @@ def dump(reason: str = "api", detail: str = "") -> Path | None:
     except ValueError:
         why, detail = DumpReason.API, detail or reason
     return sess.writer.dump(why, detail)
+
+
+_listeners: list[Callable[[dict[str, Any]], None]] = []
+
+
+def last_verdict() -> dict[str, Any] | None:
+    """The newest verdict this rank learned (a ``frforensics.verdict/1`` dict), or None."""
+    sess = _session
+    return None if sess is None or sess.verdict is None else sess.verdict.last
+
+
+def wait_verdict(timeout_s: float, incident: int | None = None) -> dict[str, Any] | None:
+    """Block up to ``timeout_s`` until this rank knows the verdict of ``incident``
+    (default: the current one); the verdict dict, or None. Never raises."""
+    sess = _session
+    if sess is None or sess.verdict is None:
+        return None
+    try:
+        return sess.verdict.wait(timeout_s, incident)
+    except Exception:
+        return None
+
+
+def add_verdict_listener(fn: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``fn(verdict)`` on this rank whenever it learns a verdict (every live
+    rank, the elected one included), bounded by ``hook_timeout_s``, failures logged.
+    Listeners stay across ``enable()`` calls."""
+    if fn not in _listeners:
+        _listeners.append(fn)
+
+
+def request_verdict(detail: str = "") -> bool:
+    """Raise the job-wide dump flag from this rank now: every live rank dumps and
+    one verdict follows (for a failed op where no watchdog deadline fired).
+
+    Returns False when the flag was already up, or there is no recorder or store.
+    """
+    sess = _session
+    if sess is None or sess.verdict is None:
+        return False
+    return sess.verdict.request(detail)
+
+
+def rearm(*, rank: int | None = None, world_size: int | None = None) -> int:
+    """After recovering from an incident, open the next one and return its number.
+
+    The flag key becomes ``dump_flag/<k>`` and the watchdog fires again on the
+    next overdue op; pass the new ``rank``/``world_size`` when they changed.
+    Call it once the hung ops have ended (aborted or failed): an op still
+    unfinished past the deadline fires the new incident at once. Returns -1
+    when the recorder is off.
+    """
+    sess = _session
+    if sess is None or sess.verdict is None:
+        return -1
+    return sess.verdict.rearm(sess.watchdog, rank, world_size)
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException,
@@ -244,6 +388,10 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
                     # reading stands in).
                     rec.stale_peers()
             sess.writer.dump(DumpReason.EXCEPTION, message[:500], death=death, automatic=True)
+            if sess.verdict is not None:
+                # A lost peer: every survivor is dying and no watchdog will fire;
+                # raise the flag and stay (bounded) for the verdict.
+                sess.verdict.after_exception(message, _is_peer_loss(message))
     except Exception:
         pass
     _prev_excepthook(exc_type, exc, tb)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 DUMP_ON_EXIT_MODES = ("auto", "always", "never")
+VERDICT_SOURCES = ("auto", "dir", "store")
 
 # Every backend name PyTorch 2.13-2.15 registers for GPUs and CPUs (2.15 adds the
 # three NCCL variants; distributed_c10d.py, ``_register_builtin_*_backend``).
@@ -45,6 +46,15 @@ class RecorderConfig:
     store_timeout_s: float = 5.0
     stale_check_max_world: int = 4096
     extra_notes: tuple[str, ...] = field(default=())
+    # The verdict at hang time (recorder/_verdict.py, docs/orchestrators.md).
+    verdict: bool = True
+    verdict_source: str = "auto"  # auto | dir | store
+    verdict_timeout_s: float = 60.0
+    on_verdict: Callable[[dict[str, Any]], None] | None = None
+    on_verdict_command: str | None = None
+    hook_timeout_s: float = 30.0
+    abort_after_verdict: bool = False
+    straggler_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if (self.timeout_s <= 0 or self.buffer_size < 1 or self.poll_interval_s <= 0
@@ -52,6 +62,12 @@ class RecorderConfig:
             raise ValueError("timeout_s, buffer_size and the poll intervals must be positive")
         if self.dump_on_exit not in DUMP_ON_EXIT_MODES:
             raise ValueError("dump_on_exit must be 'auto', 'always' or 'never'")
+        if self.verdict_source not in VERDICT_SOURCES:
+            raise ValueError("verdict_source must be 'auto', 'dir' or 'store'")
+        if self.verdict_timeout_s <= 0 or self.hook_timeout_s <= 0 or (
+                self.straggler_interval_s is not None and self.straggler_interval_s <= 0):
+            raise ValueError("verdict_timeout_s, hook_timeout_s and straggler_interval_s "
+                             "must be positive")
 
     @property
     def deadline_ms(self) -> int:
@@ -81,7 +97,7 @@ class RecorderConfig:
             elif name == "extra_notes":
                 value = tuple(str(n) for n in value)
             elif name in ("timeout_s", "poll_interval_s", "store_poll_interval_s",
-                          "store_timeout_s"):
+                          "store_timeout_s", "verdict_timeout_s", "hook_timeout_s"):
                 value = float(value)
             elif name in ("buffer_size", "stack_depth", "stale_check_max_world"):
                 value = int(value)
@@ -140,6 +156,13 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "FRFORENSICS_SAVE_NATIVE": ("save_native", _flag),
     "FRFORENSICS_BACKENDS": ("wrap_backends", _names),
     "FRFORENSICS_CUDA_EVENTS": ("cuda_events", _flag),
+    "FRFORENSICS_VERDICT": ("verdict", _flag),
+    "FRFORENSICS_VERDICT_SOURCE": ("verdict_source", str),
+    "FRFORENSICS_VERDICT_TIMEOUT_S": ("verdict_timeout_s", float),
+    "FRFORENSICS_ON_VERDICT": ("on_verdict_command", str),
+    "FRFORENSICS_HOOK_TIMEOUT_S": ("hook_timeout_s", float),
+    "FRFORENSICS_ABORT_AFTER_VERDICT": ("abort_after_verdict", _flag),
+    "FRFORENSICS_STRAGGLER_INTERVAL_S": ("straggler_interval_s", float),
 }
 
 

@@ -145,6 +145,8 @@ class Recorder:
         self.main_ident = threading.main_thread().ident
         self.flag_seen: str | None = None
         self.flag_raised = False
+        # The flag of the current incident (``rearm()`` opens the next one).
+        self.flag_key = FLAG_KEY
         # Called with each new group (the API starts the watchdog on the first).
         self.group_listeners: list[Callable[[GroupState], None]] = []
         # Called once the store client is attached (the watchdog wakes up).
@@ -154,7 +156,9 @@ class Recorder:
         # The process whose groups these are (set at the first group): a forked
         # child inherits this state but must never write that rank's dump.
         self.owner_pid: int | None = None
-        self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/"
+        # c10d's PrefixStore joins prefix and key with "/": keys are
+        # "frforensics/<restart>/dump_flag", "frforensics/<restart>/hb/<rank>", ...
+        self.namespace = "frforensics/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.resolution_ns = int(config.poll_interval_s * 1e9)
 
     # ------------------------------------------------------------ hot-path helpers
@@ -237,7 +241,7 @@ class Recorder:
         self.flag_raised = True
         try:
             text = json.dumps(payload, sort_keys=True)
-            current = _text(store.compare_set(FLAG_KEY, "", text))
+            current = _text(store.compare_set(self.flag_key, "", text))
             won = current == text
             self.flag_seen = text if won else current
             return won
@@ -250,9 +254,9 @@ class Recorder:
         store = self.store
         if store is None or self.store_dead:
             return None
-        if not store.check([FLAG_KEY]):
+        if not store.check([self.flag_key]):
             return None
-        return _text(store.get(FLAG_KEY))
+        return _text(store.get(self.flag_key))
 
     def heartbeat(self) -> None:
         if self.store is not None and self.rank is not None and not self.store_dead:

@@ -197,6 +197,9 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     notes.extend(rec.config.extra_notes)
     notes.extend(f"not recorded: {why}" for why in rec.unrecorded)
     notes.extend(extra_notes)
+    from frforensics.recorder._identity import local_identity
+
+    ident = local_identity([e[R.DEVICE] for e in entries[-64:] if e[R.DEVICE]])
     stale = rec.stale_peers() if reason is not DumpReason.API else ()
     if stale:
         stale = tuple(sorted(stale, key=lambda p: -p.age_s))
@@ -223,6 +226,10 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         stale_peers=stale,
         death=death,
         notes=tuple(notes),
+        local_rank=ident.local_rank,
+        cuda_device=ident.cuda_device,
+        gpu_uuid=ident.gpu_uuid,
+        pci_bus_id=ident.pci_bus_id,
     )
 
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from frforensics.report import Finding, Report, Severity, Status, format_ranks
+from frforensics.report import Finding, Report, Severity, Status, code_sides, format_ranks
 
-__all__ = ["RankState", "culprit_label", "rank_states", "seq_label", "top_finding"]
+__all__ = ["RankState", "action_lines", "code_sides", "culprit_label", "rank_states", "seq_label",
+           "top_finding"]
 
 MAX_STATES = 12
 
@@ -42,6 +43,31 @@ def culprit_label(report: Report, rank: int) -> str:
     if facts is not None and facts.pid:
         where.append(f"pid {facts.pid}")
     return f"rank {rank}" + (f" ({', '.join(where)})" if where else "")
+
+
+def action_lines(report: Report, *, limit: int = 4) -> list[str]:
+    """``'rank 3: replace_gpu_or_host (host node07, cuda:3, GPU-…) — because timeout'``.
+
+    Several culprits with the same action and no GPU identity share one line.
+    """
+    lines: list[str] = []
+    plain: dict[tuple[str, str], list[int]] = {}
+    for a in report.actions:
+        ident = [x for x in (f"host {a.host}" if a.host else "",
+                             f"cuda:{a.cuda_device}" if a.cuda_device is not None else "",
+                             a.gpu_uuid or "", a.pci_bus_id or "") if x]
+        if a.cuda_device is None and a.gpu_uuid is None:
+            plain.setdefault((a.action, a.because), []).append(a.rank)
+            continue
+        lines.append(f"rank {a.rank}: {a.action} ({', '.join(ident)}) — {a.because}")
+    for (action, because), ranks in plain.items():
+        hosts = sorted({a.host for a in report.actions if a.rank in ranks and a.host})
+        where = f" (host {', '.join(hosts[:4])}{', …' if len(hosts) > 4 else ''})" if hosts else ""
+        lines.append(f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}: "
+                     f"{action}{where} — {because}")
+    if len(lines) > limit:
+        lines = [*lines[:limit], f"… {len(lines) - limit} more (see the JSON report's actions)"]
+    return lines
 
 
 def seq_label(finding: Finding) -> str:

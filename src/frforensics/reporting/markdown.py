@@ -14,6 +14,7 @@ from frforensics.reporting._escape import printable
 from frforensics.reporting._shared import (
     MAX_STATES,
     STATUS_WORD,
+    action_lines,
     culprit_label,
     rank_states,
     seq_label,
@@ -77,6 +78,9 @@ def render(report: Report) -> str:
             lines.append(f"| **Code** | {_code(top.location)} |")
         if top.waiting_ranks:
             lines.append(f"| **Waiting** | ranks {format_ranks(top.waiting_ranks)} |")
+        actions = action_lines(report)
+        if actions:
+            lines.append(f"| **Action** | {'<br>'.join(_cell(a) for a in actions)} |")
         lines.append("")
     world = report.world_size if report.world_size is not None else "unknown"
     lines += [f"### Ranks ({len(report.ranks_loaded)} loaded, world size {world})", "",

@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
 from frforensics.reporting._escape import printable
-from frforensics.reporting._shared import rank_states
+from frforensics.reporting._shared import action_lines, code_sides, rank_states
 
 _STATUS_STYLE = {
     Status.HEALTHY: "bold green",
@@ -88,10 +88,16 @@ def render(report: Report, *, width: int = 100, color: bool = False) -> str:
             seq = "" if top.seq is None else (
                 f" #{top.seq}" if top.seq_kind == "collective" else f" (p2p #{top.seq})")
             out(f"  [bold]Where:[/]    {escape(top.op or '?')}{seq} on {escape(top.pg.label())}")
-        if top.location:
+        sides = code_sides(top)
+        if sides:
+            for i, line in enumerate(sides):
+                out(f"  [bold]{'Code:' if i == 0 else '':<9}[/] {escape(line)}")
+        elif top.location:
             out(f"  [bold]Code:[/]     {escape(top.location)}")
         if top.waiting_ranks:
             out(f"  [bold]Waiting:[/]  ranks {format_ranks(top.waiting_ranks)}")
+        for i, line in enumerate(action_lines(report)):
+            out(f"  [bold]{'Action:' if i == 0 else '':<9}[/] {escape(line)}")
     out("")
     if len(report.findings) > (1 if top else 0) or (top and top.evidence):
         out("[bold]Findings[/]")

@@ -86,7 +86,7 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
     if op is None:
         op = next(iter(values.values())) if m.field == "op" else None
     if m.field == "op" and not tie:
-        op = top_value
+        op = "coalesced" if top_value.startswith("[") else top_value
     location = next((det.location for r in culprits if (det := details.get(r)) is not None
                      and det.location), None)
     what = {"op": "ops", "dtype": "dtypes", "size": "sizes"}[m.field]

@@ -66,9 +66,10 @@ SIGMAS: Final = 8.0
 MIN_BLAMED: Final = 3
 MIN_FRACTION: Final = 0.05
 #: From enqueue times alone, lateness that propagates (a straggler's peers then
-#: reach their other groups late) cannot be told from its source: when more ranks
-#: than this qualify, none is named.
-MAX_ENQUEUE_ONLY: Final = 2
+#: reach their other groups late; with gloo, pipeline neighbours through send/recv
+#: it does not record) cannot be told from its source: when more ranks than this
+#: qualify, none is named.
+MAX_ENQUEUE_ONLY: Final = 1
 
 F8 = npt.NDArray[np.float64]
 I8 = npt.NDArray[np.int64]

@@ -87,9 +87,9 @@ def detect(ctx: Context) -> list[Finding]:
                    f"{ctx.ranks(waiting)} had waited and failed by then ({clock})")
         elif OpState.COMPLETED in states.values():
             done = sorted(r for r, s in states.items() if s == OpState.COMPLETED)
-            msg = (f"{ctx.describe(wait)} never finished on rank(s) {ctx.ranks(culprits)}: its "
-                   f"kernel {lowest.name.lower()} there while ranks {ctx.ranks(done)} completed "
-                   f"it and moved on ({clock}); the fault is below the framework on "
+            msg = (f"{ctx.describe(wait)} never finished on rank(s) {ctx.ranks(culprits)}: ranks "
+                   f"{ctx.ranks(done)} completed it and moved on, while it stayed "
+                   f"{lowest.name.lower()} there ({clock}); the fault is below the framework on "
                    f"{'that rank' if len(culprits) == 1 else 'those ranks'} (GPU, NCCL or network)")
         elif distinguishable:
             msg = (f"every member entered {ctx.describe(wait)} but it never completed ({clock}); "

@@ -1,0 +1,245 @@
+"""Live stragglers: a periodic exchange of collective arrival times (off by default).
+
+Every ``straggler_interval_s`` each rank publishes, through the c10d store, the
+collectives it completed since its last round: per entry its group, seq, op,
+enqueue and completion time — delta-coded (seq and enqueue-time differences,
+wait durations) and zlib-compressed, some tens of bytes per op (key
+``frforensics/<R>/live/<rank>``, overwritten each round). One rank (the first to
+``compare_set`` ``live/owner``) keeps a window of each rank's latest entries and
+runs the analyzer's own straggler rule on them — same thresholds, clock-offset
+handling and window — in a child process (``python -m frforensics verdict``),
+writing each rank's window as a small frdump. When a rank is reported as a
+straggler it logs one line, writes ``stragglers.json`` next to the dumps and
+calls the ``on_verdict`` hooks with the finding; only new stragglers are
+reported again. A healthy job produces nothing: the rule never blames a rank
+late by less than 1 ms, or not persistently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+from frforensics.formats import frdump
+from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
+from frforensics.recorder import _ring as R
+
+if TYPE_CHECKING:
+    from frforensics.recorder._core import Recorder
+    from frforensics.recorder._verdict import VerdictAgent
+
+__all__ = ["LiveStragglers", "decode_round", "encode_round"]
+
+log = logging.getLogger("frforensics.recorder")
+
+WINDOW: Final = 512  # the straggler rule's own window (analyzer/detectors/straggler.py)
+_MAX_ROUND: Final = 4 << 20
+
+
+def encode_round(groups: list[int], seqs: list[int], ops: list[str], enq_ns: list[int],
+                 comp_ns: list[int]) -> bytes:
+    """One round of arrivals, delta-coded and compressed."""
+    names = sorted(set(ops))
+    index = {n: i for i, n in enumerate(names)}
+    g = np.asarray(groups, dtype="<i4")
+    s = np.asarray(seqs, dtype="<i8")
+    e = np.asarray(enq_ns, dtype="<i8")
+    c = np.asarray(comp_ns, dtype="<i8")
+    head = {"n": len(g), "ops": names, "seq0": int(s[0]) if len(s) else 0,
+            "enq0": int(e[0]) if len(e) else 0}
+    body = b"".join([
+        g.astype("<i2").tobytes(),
+        np.diff(s, prepend=s[:1]).astype("<i4").tobytes(),
+        np.diff(e, prepend=e[:1]).astype("<i8").tobytes(),
+        (c - e).astype("<i8").tobytes(),
+        np.asarray([index[o] for o in ops], dtype="<i2").tobytes(),
+    ])
+    return zlib.compress(json.dumps(head).encode() + b"\n" + body, 6)
+
+
+def decode_round(blob: bytes) -> dict[str, np.ndarray] | None:
+    """Inverse of :func:`encode_round`; None when malformed (store data is not trusted)."""
+    try:
+        d = zlib.decompressobj()
+        raw = d.decompress(blob, _MAX_ROUND)
+        if d.unconsumed_tail:
+            return None
+        line, body = raw.split(b"\n", 1)
+        head = json.loads(line)
+        n = int(head["n"])
+        names = [str(x) for x in head["ops"]]
+        sizes = [2 * n, 4 * n, 8 * n, 8 * n, 2 * n]
+        if n < 0 or len(body) != sum(sizes):
+            return None
+        parts, at = [], 0
+        for size in sizes:
+            parts.append(body[at:at + size])
+            at += size
+        g = np.frombuffer(parts[0], dtype="<i2").astype(np.int32)
+        s = np.cumsum(np.frombuffer(parts[1], dtype="<i4").astype(np.int64)) + int(head["seq0"])
+        e = np.cumsum(np.frombuffer(parts[2], dtype="<i8")) + int(head["enq0"])
+        c = e + np.frombuffer(parts[3], dtype="<i8")
+        o = np.frombuffer(parts[4], dtype="<i2").astype(np.int64)
+        if n and (o.min() < 0 or o.max() >= len(names)):
+            return None
+        return {"group": g, "seq": s, "enq": e, "comp": c,
+                "op": np.asarray([names[i] for i in o.tolist()], dtype=object)}
+    except (ValueError, KeyError, TypeError, zlib.error):
+        return None
+
+
+class LiveStragglers(threading.Thread):
+    """Publishes this rank's arrivals every interval; the owner rank analyzes them."""
+
+    def __init__(self, rec: Recorder, agent: VerdictAgent, interval_s: float) -> None:
+        super().__init__(name="frforensics-stragglers", daemon=True)
+        self.rec = rec
+        self.agent = agent
+        self.interval_s = float(interval_s)
+        self.stop_event = threading.Event()
+        self.last_record = -1
+        self.owner: bool | None = None
+        self.groups_sent = 0
+        self.windows: dict[int, dict[str, np.ndarray]] = {}
+        self.groups_of: dict[int, list[GroupInfo]] = {}
+        self.reported: set[int] = set()
+        self.rounds = 0
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                self._round()
+            except Exception as exc:  # never into the job
+                self.rec.note_error("live stragglers", exc)
+
+    # ------------------------------------------------------------ every rank
+
+    def _round(self) -> None:
+        rec = self.rec
+        store, me = rec.store, rec.rank
+        if store is None or me is None or rec.store_dead or rec.flag_raised or rec.flag_seen:
+            return
+        s: Any = store
+        groups = list(rec.groups)
+        if len(groups) != self.groups_sent:
+            s.set(f"live/{me}/groups", json.dumps(
+                [{"name": g.name, "desc": g.desc, "ranks": list(g.ranks)} for g in groups]))
+            self.groups_sent = len(groups)
+        entries, _ = rec.ring.snapshot()
+        offset = time.time_ns() - time.monotonic_ns()
+        rows = [e for e in entries if e[R.RECORD_ID] > self.last_record and not e[R.IS_P2P]
+                and e[R.STATE] == R.COMPLETED and e[R.T_COMPLETE]]
+        if rows:
+            self.last_record = max(e[R.RECORD_ID] for e in rows)
+        blob = encode_round([e[R.GROUP] for e in rows], [e[R.SEQ] for e in rows],
+                            [e[R.OP] for e in rows], [e[R.T_ENQUEUE] + offset for e in rows],
+                            [e[R.T_COMPLETE] + offset for e in rows])
+        s.set(f"live/{me}", blob)
+        s.add(f"live/{me}/round", 1)
+        if self.owner is None:
+            won = s.compare_set("live/owner", "", str(me))
+            self.owner = (won.decode() if isinstance(won, bytes) else str(won)) == str(me)
+        if self.owner:
+            self._analyze(s)
+
+    # ------------------------------------------------------------ the owner
+
+    def _analyze(self, store: Any) -> None:
+        rec = self.rec
+        world = rec.world_size or 0
+        ranks = [r for r in range(world) if store.check([f"live/{r}"])]
+        for r in ranks:
+            known = self.groups_of.get(r)
+            window = self.windows.get(r)
+            stale = known is None or (window is not None and len(window["group"])
+                                      and int(window["group"].max()) >= len(known))
+            if stale and store.check([f"live/{r}/groups"]):
+                with contextlib.suppress(ValueError, TypeError, KeyError):
+                    raw = json.loads(store.get(f"live/{r}/groups"))
+                    self.groups_of[r] = [GroupInfo(str(g["name"]), str(g["desc"]),
+                                                   tuple(int(x) for x in g["ranks"]), "")
+                                         for g in raw]
+        # A round read twice adds nothing: each rank's blob says which round it is.
+        for r, blob in zip(ranks, store.multi_get([f"live/{r}" for r in ranks]), strict=True):
+            got = decode_round(bytes(blob))
+            if got is None:
+                continue
+            have = self.windows.get(r)
+            if have is not None and len(got["seq"]) and len(have["seq"]):
+                fresh = got["enq"] > have["enq"][-1]
+                got = {k: v[fresh] for k, v in got.items()}
+            merged = got if have is None else {k: np.concatenate([have[k], got[k]])
+                                               for k in got}
+            self.windows[r] = {k: v[-WINDOW:] for k, v in merged.items()}
+        self.rounds += 1
+        ready = [r for r in ranks if r in self.groups_of and len(self.windows.get(r, {}).get(
+            "seq", ())) >= 8]
+        if len(ready) < 2:
+            return
+        work = rec.config.dump_dir / ".frforensics_verdict" / "live"
+        work.mkdir(parents=True, exist_ok=True)
+        paths = [str(frdump.write_atomic(work / f"frdump_rank_{r}",
+                                         frdump.encode(self._trace(r)))) for r in ready]
+        listing = work / "paths.txt"
+        listing.write_text("\n".join(paths) + "\n", encoding="utf-8")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
+        proc = subprocess.run(
+            [sys.executable, "-m", "frforensics", "verdict", "--paths-from", str(listing),
+             "--out-dir", str(work), "--world-size", str(world), "--jobs", "1"],
+            capture_output=True, timeout=rec.config.verdict_timeout_s, env=env,
+            stdin=subprocess.DEVNULL, check=False)
+        if proc.returncode not in (0, 1):
+            return
+        report = json.loads((work / "verdict.json").read_text(encoding="utf-8"))
+        found = [f for f in report.get("findings", []) if f.get("kind") == "straggler"]
+        new = [f for f in found if not set(f.get("culprit_ranks", [])) <= self.reported]
+        if not new:
+            return
+        actions = [a for a in report.get("actions", []) if a.get("because") == "straggler"]
+        doc = {"schema": "frforensics.stragglers/1", "kind": "straggler", "round": self.rounds,
+               "time_ns": time.time_ns(), "findings": found, "actions": actions,
+               "culprit_ranks": sorted({r for f in found for r in f.get("culprit_ranks", [])}),
+               "stragglers_json": str(rec.config.dump_dir / "stragglers.json")}
+        frdump.write_atomic(rec.config.dump_dir / "stragglers.json",
+                            (json.dumps(doc, indent=2) + "\n").encode())
+        for f in new:
+            self.reported.update(f.get("culprit_ranks", []))
+            with contextlib.suppress(Exception):
+                log.warning("frforensics: straggler: %s", f.get("message", "")[:600])
+        with contextlib.suppress(Exception):
+            store.set("live/stragglers", json.dumps(doc))
+        self.agent.run_hooks(doc, str(doc["stragglers_json"]))
+
+    def _trace(self, r: int) -> RankTrace:
+        w = self.windows[r]
+        n = len(w["seq"])
+        names = sorted(set(w["op"].tolist()))
+        index = {s: i for i, s in enumerate(names)}
+        cols = {
+            "record_id": np.arange(n), "pg": w["group"], "seq": w["seq"],
+            "op": np.asarray([index[o] for o in w["op"].tolist()]),
+            "state": np.full(n, int(OpState.COMPLETED)), "t_enqueue_ns": w["enq"],
+            "t_complete_ns": w["comp"], "in_dtypes": np.full(n, -1),
+            "timeout_ms": np.full(n, int(self.rec.config.timeout_s * 1000)),
+        }
+        return RankTrace(
+            rank=r, source="frforensics.live", format=SourceFormat.FRDUMP, version="3",
+            groups=tuple(self.groups_of[r]), strings=tuple(names), stacks=(),
+            entries=EntryTable.from_columns(n, cols), world_size=self.rec.world_size,
+            dump_time_ns=int(w["comp"].max()) if n else None,
+            completion_resolution_ns=self.rec.resolution_ns,
+            notes=("live straggler window",),
+        )

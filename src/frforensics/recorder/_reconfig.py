@@ -1,0 +1,56 @@
+"""A process group re-formed over new peers (torch 2.15 ``_reconfigure``), as the recorder sees it.
+
+torch 2.15's gloo restarts a group's sequence numbers at every reconfigure
+(measured: ``pg._get_sequence_number_for_group()`` is 3 after three all_reduces,
+0 right after ``_reconfigure(uuid=2, ...)`` with the same peers, 1 after one more
+all_reduce; docs/recovery.md). So the recorder gives the re-formed group a new
+identity: a new :class:`GroupState` named ``<name>@r<uuid>`` with the new members
+(global ranks as of ``init_process_group``) and counters from zero. Entries
+before the change stay under the old group, entries after it under the new one:
+the analyzer, which matches ops per group, never pairs ops across the change,
+without knowing about reconfiguration at all. Every dump notes the change (old
+and new membership, uuid, reason) in its notes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from frforensics.recorder._core import GroupState, Recorder
+
+
+class Reconfigurations:
+    """The changes seen by this process, for the dump notes."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def notes(self, _reason: Any) -> Iterable[str]:
+        return list(self.lines)
+
+
+def reconfigured(rec: Recorder, group: Any, *, uuid: int, old_members: Sequence[int],
+                 members: Sequence[int], reason: str,
+                 log: Reconfigurations | None) -> GroupState | None:
+    """Give ``group`` (a recording wrapper) its post-reconfigure identity; None if not ours."""
+    old: GroupState | None = getattr(group, "_frf_state", None)
+    if old is None:
+        return None
+    ranks = tuple(int(m) for m in members)
+    if old.seq == 0 and old.p2p_seq == 0:
+        # Nothing recorded yet (the first configuration): same group, real members.
+        old.ranks = ranks
+        new = old
+    else:
+        base = old.name.split("@r", 1)[0]
+        new = rec.new_group(name=f"{base}@r{uuid}", desc=old.desc, ranks=ranks,
+                            backend=old.backend, timeout_ms=old.timeout_ms)
+        new.cuda = old.cuda
+        group._frf_state = new
+    if log is not None:
+        log.lines.append(
+            f"reconfigured group {old.name} ({old.desc}) at {time.time_ns()} ns: uuid {uuid}, "
+            f"members {list(old_members)} -> {list(ranks)} (now {new.name}); {reason}"[:500])
+    return new

@@ -1,0 +1,589 @@
+"""The verdict at hang time: one elected rank analyzes, every rank hears the result.
+
+After a hang dump (``watchdog_timeout`` or ``peer_signal``), or an exception
+dump caused by a lost peer (then the job-wide flag is raised here, since no
+watchdog will fire: every survivor is dying), each rank:
+
+1. publishes, through the c10d store (keys under ``frforensics/<R>/verdict/<k>/``),
+   a small record of its dump (host, pid, path, size, mtime) and — unless the
+   dump directory is declared shared — its *tail digest* (``_tail``: a trimmed,
+   compressed frdump; a few KB);
+2. votes for the lowest rank that dumped (``compare_set`` on ``leader``) and
+   waits until every rank announced its dump or two store polls passed;
+3. the rank the vote names takes ``owner`` by ``compare_set`` (exactly one
+   wins, even when several ranks time out at once) and runs the analysis in a
+   **child process** (``python -m frforensics verdict``: the training process
+   never imports the analyzer) over the peers' dump files where it can see
+   them (same size and mtime as announced) and their digests otherwise; it
+   prints the human verdict on stderr, writes ``verdict.json`` and
+   ``verdict.txt`` next to its dumps, sets ``frforensics/<R>/verdict/<k>``,
+   and runs the ``on_verdict`` hooks;
+4. every other rank polls that key, logs one line pointing at it, and runs its
+   listeners. A rank that sees no owner long after the vote takes over.
+
+``FRFORENSICS_ABORT_AFTER_VERDICT``: each rank then exits with
+:data:`EXIT_VERDICT` (75), or :data:`EXIT_NO_VERDICT` (76) when none could be had.
+
+Nothing here raises into the job: failures become one log line each.
+Contract for orchestrators and recovery: docs/orchestrators.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from frforensics.model import DumpReason, RankTrace
+
+if TYPE_CHECKING:
+    from frforensics.recorder._core import Recorder
+    from frforensics.recorder._dump import DumpWriter, DumpWritten
+
+__all__ = ["EXIT_NO_VERDICT", "EXIT_VERDICT", "SCHEMA", "VerdictAgent"]
+
+log = logging.getLogger("frforensics.recorder")
+
+SCHEMA: Final = "frforensics.verdict/1"
+#: Exit code of every rank after the verdict, with ``abort_after_verdict``.
+EXIT_VERDICT: Final = 75
+#: Exit code with ``abort_after_verdict`` when no verdict could be had.
+EXIT_NO_VERDICT: Final = 76
+
+_HANG = (DumpReason.WATCHDOG_TIMEOUT, DumpReason.PEER_SIGNAL)
+_DEATH = (DumpReason.EXCEPTION, DumpReason.EXIT)
+_CHUNK = 256  # keys per multi_get
+
+
+VerdictHook = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class _Incident:
+    k: int
+    published_at: float = 0.0  # monotonic, when this rank's dump was published
+    counted: bool = False
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    verdict: dict[str, Any] | None = None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class VerdictAgent(threading.Thread):
+    """One daemon thread per process; handed every dump by ``Recorder.dump``."""
+
+    def __init__(self, rec: Recorder, writer: DumpWriter, *,
+                 listeners: list[VerdictHook] | None = None) -> None:
+        super().__init__(name="frforensics-verdict", daemon=True)
+        self.rec = rec
+        self.writer = writer
+        self.config = rec.config
+        #: called on this rank with every verdict it learns (shared with the API)
+        self.listeners: list[VerdictHook] = listeners if listeners is not None else []
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.incident = 0
+        self.incidents: dict[int, _Incident] = {}
+        self.started_wall_ns = time.time_ns()
+        self.last: dict[str, Any] | None = None
+        self.learned = threading.Condition()
+        self.lock = threading.Lock()
+        #: ``request_verdict()`` was called: its API dump opens the incident
+        self.requested = False
+        #: sizes of the digests the elected rank saw (ranks, total, max bytes)
+        self.digest_bytes: dict[str, int] = {}
+
+    # ------------------------------------------------------------ called by the job
+
+    def on_dump_written(self, written: DumpWritten) -> None:
+        """A post-dump hook of the writer: hand over to this thread, never block."""
+        self.on_dumped(written.reason, written.trace, written.path)
+
+    def on_dumped(self, reason: DumpReason, trace: RankTrace, path: Path) -> None:
+        """Queue one written dump for this thread."""
+        if not self.config.verdict:
+            return
+        if reason is DumpReason.API and self.requested:
+            self.requested = False
+            reason = DumpReason.WATCHDOG_TIMEOUT  # handled as the hang dump it stands for
+        if reason not in (*_HANG, *_DEATH):
+            return
+        self.events.put(("dumped", (reason, trace, path)))
+
+    def after_exception(self, message: str, peer_loss: bool) -> None:
+        """From the excepthook, after the exception dump: for a lost peer, raise the
+        flag and stay (bounded) until this rank's part of the verdict is done."""
+        if not self.config.verdict or not peer_loss:
+            return
+        k = self.incident
+        self.events.put(("incident", (k, f"lost a peer: {message[:200]}")))
+        limit = self._wait_limit() + 4 * self.rec.config.store_poll_interval_s + 10.0
+        self._incident(k).done.wait(limit)
+
+    def request(self, detail: str) -> bool:
+        """``request_verdict()``: dump now and raise the flag (False if already up)."""
+        rec = self.rec
+        if not self.config.verdict or rec.store is None or rec.flag_raised:
+            return False
+        try:
+            self.requested = True
+            path = self.writer.dump(DumpReason.API, f"verdict requested: {detail}"[:500],
+                                    native=False)
+            if path is None:
+                return False
+            return rec.raise_flag(self._flag_payload(f"verdict requested: {detail}"))
+        except Exception as exc:
+            rec.note_error("request_verdict", exc)
+            return False
+
+    def rearm(self, watchdog: Any, rank: int | None, world_size: int | None) -> int:
+        """Open the next incident: a new flag key, the watchdog armed again."""
+        rec = self.rec
+        with self.lock:
+            self.incident += 1
+            k = self.incident
+        if rank is not None:
+            rec.rank = int(rank)
+        if world_size is not None:
+            rec.world_size = int(world_size)
+        rec.flag_key = f"dump_flag/{k}"
+        rec.flag_seen = None
+        rec.flag_raised = False
+        rec.hang_dump_written = False
+        self.requested = False
+        if watchdog is not None:
+            watchdog.fired = False
+            watchdog.answered = False
+        return k
+
+    def stop(self) -> None:
+        """End the thread (``disable()``)."""
+        self.events.put(("stop", None))
+
+    def _flag_payload(self, detail: str) -> dict[str, Any]:
+        return {"rank": self.rec.current_rank(), "pg": "", "desc": "", "op": "", "seq": -1,
+                "seq_kind": "", "age_s": 0.0, "time_ns": time.time_ns(), "detail": detail[:500]}
+
+    def wait(self, timeout_s: float, incident: int | None = None) -> dict[str, Any] | None:
+        """Block until this rank knows the verdict of ``incident`` (default: current)."""
+        k = self.incident if incident is None else incident
+        inc = self._incident(k)
+        inc.done.wait(max(0.0, timeout_s))
+        return inc.verdict
+
+    # ------------------------------------------------------------ the thread
+
+    def run(self) -> None:
+        while True:
+            try:
+                kind, payload = self.events.get()
+                if kind == "dumped":
+                    self._handle_dump(*payload)
+                elif kind == "incident":
+                    k, detail = payload
+                    self._raise_flag(detail)
+                    self._run_incident(k)
+                elif kind == "stop":
+                    return
+            except Exception as exc:  # the thread must survive anything
+                self.rec.note_error("verdict", exc)
+
+    def _incident(self, k: int) -> _Incident:
+        with self.lock:
+            inc = self.incidents.get(k)
+            if inc is None:
+                inc = self.incidents[k] = _Incident(k)
+            return inc
+
+    def _store(self) -> Any:
+        # Shared with the watchdog (the TCPStore client serializes calls); only
+        # non-blocking calls are made on it: get only after check or on keys known set.
+        return self.rec.store
+
+    def _key(self, k: int, *parts: object) -> str:
+        return "/".join(["verdict", str(k), *(str(p) for p in parts)])
+
+    def _handle_dump(self, reason: DumpReason, trace: RankTrace, path: Path) -> None:
+        k = self.incident
+        inc = self._incident(k)
+        if inc.done.is_set():
+            return
+        if not self._publish(inc, trace, path):
+            if reason in _HANG:
+                self._no_verdict(inc, "the c10d store is unreachable (its host, rank 0's "
+                                      "process unless torchrun hosts it, may have died)", path)
+            return
+        if reason in _HANG:
+            self._run_incident(k)
+
+    def _publish(self, inc: _Incident, trace: RankTrace, path: Path) -> bool:
+        store, me = self._store(), self.rec.rank
+        if store is None or me is None:
+            return False
+        try:
+            st = path.stat()
+            record = {"rank": me, "host": trace.host, "pid": trace.pid, "path": str(path),
+                      "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                      "reason": trace.dump_reason.value, "digest": False}
+            if self.config.verdict_source != "dir":
+                from frforensics.recorder._tail import tail_bytes
+
+                blob = tail_bytes(trace)
+                store.set(self._key(inc.k, "digest", me), blob)
+                record["digest"] = True
+                record["digest_bytes"] = len(blob)
+            store.set(self._key(inc.k, "dumped", me), json.dumps(record))
+            if not inc.counted:
+                inc.counted = True
+                store.add(self._key(inc.k, "n"), 1)
+                with contextlib.suppress(Exception):
+                    store.append(self._key(inc.k, "ranks"), f"{me},")
+            inc.published_at = time.monotonic()
+            return True
+        except Exception as exc:
+            self.rec.note_error("verdict publish", exc)
+            return False
+
+    def _raise_flag(self, detail: str) -> None:
+        rec = self.rec
+        if rec.flag_raised or rec.store is None:
+            return
+        with contextlib.suppress(Exception):
+            rec.raise_flag(self._flag_payload(detail))
+
+    def _wait_limit(self) -> float:
+        return 2 * self.rec.config.store_poll_interval_s + self.config.verdict_timeout_s + 5.0
+
+    # ------------------------------------------------------------ the protocol
+
+    def _run_incident(self, k: int) -> None:
+        inc = self._incident(k)
+        if inc.started or inc.done.is_set():
+            return
+        inc.started = True
+        store, me, world = self._store(), self.rec.rank, self.rec.world_size
+        if store is None or me is None or world is None or not inc.counted:
+            self._no_verdict(inc, "this rank could not publish its dump: the c10d store is "
+                                  "unreachable (its host, rank 0's process unless torchrun hosts "
+                                  "it, may have died)", None)
+            return
+        poll = self.rec.config.store_poll_interval_s
+        try:
+            leader = self._vote(store, k, me)
+            window_end = self._await_dumps(store, k, world, inc.published_at)
+            leader = int(_text(store.get(self._key(k, "leader"))))
+            if leader == me and self._take_ownership(store, k, me):
+                self._lead(inc, store, world)
+                return
+            # past any rank's own wait (hard_end), so a slow leader is not overtaken
+            self._follow(inc, store, me, world, window_end + 4 * poll + 3.0)
+        except Exception as exc:
+            self._no_verdict(inc, f"the c10d store failed during the verdict "
+                                  f"({type(exc).__name__}: {exc})", None)
+
+    def _await_dumps(self, store: Any, k: int, world: int, since: float) -> float:
+        """Wait until every rank announced its dump, or two store polls passed and
+        every rank with a fresh heartbeat did (a dead rank never will); bounded
+        by two more polls + 2 s for live ranks slow to dump. Returns when it ended."""
+        poll = self.rec.config.store_poll_interval_s
+        window_end = since + 2 * poll
+        hard_end = window_end + 2 * poll + 2.0
+        expected: int | None = None
+        while True:
+            now = time.monotonic()
+            n = int(store.add(self._key(k, "n"), 0))
+            if n >= world or now >= hard_end:
+                return now
+            if now >= window_end:
+                if expected is None:
+                    expected = world - len(self.rec.stale_peers())
+                if n >= expected:
+                    return now
+            time.sleep(min(0.05, poll / 4))
+
+    def _vote(self, store: Any, k: int, me: int) -> int:
+        """Make ``leader`` the lowest rank that voted (compare-and-set loop)."""
+        key = self._key(k, "leader")
+        current = _text(store.compare_set(key, "", str(me)))
+        while current and int(current) > me:
+            seen = _text(store.compare_set(key, current, str(me)))
+            if seen == str(me):
+                return me
+            current = seen
+        return int(current) if current else me
+
+    def _take_ownership(self, store: Any, k: int, me: int) -> bool:
+        return _text(store.compare_set(self._key(k, "owner"), "", str(me))) == str(me)
+
+    def _follow(self, inc: _Incident, store: Any, me: int, world: int, takeover_at: float) -> None:
+        poll = self.rec.config.store_poll_interval_s
+        key = f"verdict/{inc.k}"
+        until = time.monotonic() + self._wait_limit()
+        while time.monotonic() < until:
+            if store.check([key]):
+                verdict = json.loads(_text(store.get(key)))
+                self._learn(inc, verdict, elected=False)
+                return
+            if time.monotonic() > takeover_at and not store.check([self._key(inc.k, "owner")]) \
+                    and self._take_ownership(store, inc.k, me):
+                # The elected rank died before starting: take its place.
+                self._lead(inc, store, world)
+                return
+            time.sleep(poll)
+        self._no_verdict(inc, f"no verdict appeared within {self._wait_limit():.0f} s "
+                              "(the elected rank may have died)", None)
+
+    # ------------------------------------------------------------ the elected rank
+
+    def _lead(self, inc: _Incident, store: Any, world: int) -> None:
+        rec = self.rec
+        t0 = time.monotonic()
+        dump_dir = rec.config.dump_dir
+        work = dump_dir / ".frforensics_verdict" / f"{rec.namespace.replace('/', '-')}-{inc.k}"
+        work.mkdir(parents=True, exist_ok=True)
+        paths, inputs = self._inputs(inc.k, store, world, work)
+        listing = work / "paths.txt"
+        listing.write_text("\n".join(paths) + "\n", encoding="utf-8")
+        cmd = [sys.executable, "-m", "frforensics", "verdict", "--paths-from", str(listing),
+               "--out-dir", str(dump_dir), "--world-size", str(world), "--jobs", "1"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
+        error = None
+        text = ""
+        report: dict[str, Any] | None = None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, timeout=self.config.verdict_timeout_s,
+                                  env=env, stdin=subprocess.DEVNULL, check=False)
+            text = proc.stdout.decode("utf-8", "replace")
+            if proc.returncode in (0, 1):
+                report = json.loads((dump_dir / "verdict.json").read_text(encoding="utf-8"))
+            else:
+                tail = proc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
+                error = f"the analysis exited {proc.returncode}: {' / '.join(tail)}"
+        except subprocess.TimeoutExpired:
+            error = f"the analysis took longer than {self.config.verdict_timeout_s:g} s"
+        except (OSError, ValueError) as exc:
+            error = f"the analysis could not run: {type(exc).__name__}: {exc}"
+        verdict = self._compact(inc.k, report, text, inputs, error, dump_dir)
+        verdict["analysis_s"] = round(time.monotonic() - t0, 3)
+        try:
+            store.set(f"verdict/{inc.k}", json.dumps(verdict))
+        except Exception as exc:
+            rec.note_error("verdict store key", exc)
+        block = verdict["text"] if error is None else f"no report: {error}"
+        with contextlib.suppress(Exception):
+            sys.stderr.write(
+                f"frforensics: verdict (incident {inc.k}, elected rank {rec.rank}, "
+                f"{verdict['seconds_after_flag']} s after the dump flag; "
+                f"{len(inputs['files'])} dump file(s), {len(inputs['digests'])} store digest(s)):\n"
+                f"{block.rstrip()}\n  Report:   {verdict['verdict_json']}\n")
+            sys.stderr.flush()
+        self.run_hooks(verdict, str(verdict["verdict_json"]))
+        self._learn(inc, verdict, elected=True)
+
+    def _inputs(self, k: int, store: Any, world: int,
+                work: Path) -> tuple[list[str], dict[str, list[int]]]:
+        """Per rank: its dump file when visible as announced, else its digest."""
+        from frforensics.recorder._tail import inflate
+
+        ranks: list[int] = []
+        with contextlib.suppress(Exception):
+            if store.check([self._key(k, "ranks")]):
+                ranks = sorted({int(x) for x in _text(store.get(self._key(k, "ranks"))).split(",")
+                                if x.strip().isdigit() and int(x) < world})
+        if not ranks:  # no append on this store: look key by key
+            ranks = [r for r in range(world) if store.check([self._key(k, "dumped", r)])]
+        records: dict[int, dict[str, Any]] = {}
+        for i in range(0, len(ranks), _CHUNK):
+            chunk = ranks[i:i + _CHUNK]
+            for r, raw in zip(chunk, store.multi_get([self._key(k, "dumped", r) for r in chunk]),
+                              strict=True):
+                with contextlib.suppress(ValueError):
+                    records[r] = json.loads(_text(raw))
+        dump_dir = self.rec.config.dump_dir
+        files: dict[int, str] = {}
+        want_digest: list[int] = []
+        for r, record in sorted(records.items()):
+            path = dump_dir / f"frdump_rank_{r}"
+            visible = False
+            if self.config.verdict_source != "store":
+                with contextlib.suppress(OSError):
+                    st = path.stat()
+                    visible = (st.st_size, st.st_mtime_ns) == (record.get("size"),
+                                                              record.get("mtime_ns"))
+            if visible:
+                files[r] = str(path)
+            elif record.get("digest"):
+                want_digest.append(r)
+        digests: dict[int, str] = {}
+        for i in range(0, len(want_digest), _CHUNK):
+            chunk = want_digest[i:i + _CHUNK]
+            for r, raw in zip(chunk, store.multi_get([self._key(k, "digest", r) for r in chunk]),
+                              strict=True):
+                try:
+                    data = inflate(bytes(raw))
+                except ValueError as exc:
+                    self.rec.note_error(f"digest of rank {r}", exc)
+                    continue
+                target = work / f"frdump_rank_{r}"
+                target.write_bytes(data)
+                digests[r] = str(target)
+        if self.config.verdict_source != "store":
+            # Ranks that dumped but never announced (died before the store knew):
+            # their files, when written by this run.
+            floor = self.started_wall_ns - 120 * 10**9
+            for r in range(world):
+                if r in files or r in digests:
+                    continue
+                path = dump_dir / f"frdump_rank_{r}"
+                with contextlib.suppress(OSError):
+                    if path.stat().st_mtime_ns >= floor:
+                        files[r] = str(path)
+        none = [r for r in range(world) if r not in files and r not in digests]
+        sizes = [int(rec.get("digest_bytes", 0)) for rec in records.values()]
+        self.digest_bytes = {"ranks": len(sizes), "total": sum(sizes),
+                             "max": max(sizes, default=0)}
+        paths = [files.get(r) or digests[r] for r in sorted({*files, *digests})]
+        return paths, {"files": sorted(files), "digests": sorted(digests), "none": none}
+
+    def _compact(self, k: int, report: dict[str, Any] | None, text: str,
+                 inputs: dict[str, list[int]], error: str | None, dump_dir: Path) -> dict[str, Any]:
+        rec = self.rec
+        block = text.split("\n\n", 1)[0].strip("\n")
+        flag_ns = None
+        with contextlib.suppress(Exception):
+            flag = self._store().get(rec.flag_key) if rec.store is not None else None
+            flag_ns = int(json.loads(_text(flag)).get("time_ns")) if flag is not None else None
+        now = time.time_ns()
+        from frforensics.recorder._core import host_name
+
+        return {
+            "schema": SCHEMA,
+            "incident": k,
+            "status": "error" if report is None else report.get("status"),
+            "culprit_ranks": [] if report is None else report.get("culprit_ranks", []),
+            "actions": [] if report is None else report.get("actions", []),
+            "headline": block.splitlines()[0] if block else (error or ""),
+            "text": block,
+            "elected_rank": rec.rank,
+            "host": host_name(),
+            "verdict_json": str(dump_dir / "verdict.json"),
+            "verdict_txt": str(dump_dir / "verdict.txt"),
+            "inputs": inputs,
+            "digest_bytes": self.digest_bytes,
+            "time_ns": now,
+            "seconds_after_flag": None if flag_ns is None else round((now - flag_ns) / 1e9, 3),
+            "error": error,
+        }
+
+    # ------------------------------------------------------------ after the verdict
+
+    def run_hooks(self, verdict: dict[str, Any], path: str) -> None:
+        """``on_verdict`` and ``on_verdict_command`` (with ``path`` appended), bounded."""
+        hook = self.config.on_verdict
+        if hook is not None:
+            self._bounded("on_verdict", lambda: hook(dict(verdict)))
+        command = self.config.on_verdict_command
+        if command:
+            def run_command() -> None:
+                argv = [*shlex.split(command), path]
+                proc = subprocess.run(argv, capture_output=True, check=False,
+                                      timeout=self.config.hook_timeout_s, stdin=subprocess.DEVNULL)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"exited {proc.returncode}: "
+                                       f"{proc.stderr.decode('utf-8', 'replace')[-300:]}")
+            self._bounded("FRFORENSICS_ON_VERDICT", run_command)
+
+    def _bounded(self, what: str, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in a thread for at most ``hook_timeout_s``; log its failure."""
+        failure: list[BaseException] = []
+
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # a hook must never take the job down
+                failure.append(exc)
+
+        t = threading.Thread(target=target, name=f"frforensics-{what}", daemon=True)
+        t.start()
+        t.join(self.config.hook_timeout_s)
+        with contextlib.suppress(Exception):
+            if t.is_alive():
+                log.warning("frforensics: %s still running after %g s; not waiting for it",
+                            what, self.config.hook_timeout_s)
+            elif failure:
+                log.warning("frforensics: %s failed: %s: %s", what, type(failure[0]).__name__,
+                            failure[0])
+
+    def _learn(self, inc: _Incident, verdict: dict[str, Any], *, elected: bool) -> None:
+        inc.verdict = verdict
+        self.last = verdict
+        if not elected:
+            with contextlib.suppress(Exception):
+                acts = ", ".join(f"rank {a.get('rank')}: {a.get('action')}"
+                                 for a in verdict.get("actions", [])[:8])
+                culprits = ", ".join(str(r) for r in verdict.get("culprit_ranks", [])[:32])
+                log.warning("frforensics: verdict by rank %s on %s: %s — culprits [%s] (%s) — %s "
+                            "(store key %s/verdict/%s)",
+                            verdict.get("elected_rank"), verdict.get("host"),
+                            verdict.get("headline"), culprits, acts, verdict.get("verdict_json"),
+                            self.rec.namespace, inc.k)
+        for fn in list(self.listeners):
+            self._bounded("verdict listener", lambda fn=fn: fn(dict(verdict)))  # type: ignore[misc]
+        inc.done.set()
+        if self.config.abort_after_verdict:
+            # Every rank exits at the same wall-clock time, so a launcher that tears
+            # the job down when its first worker exits (torchrun) still sees the
+            # documented code from every rank.
+            self._sleep_until_abort_time(inc.k, elected)
+            self._abort(EXIT_VERDICT)
+
+    def _sleep_until_abort_time(self, k: int, elected: bool) -> None:
+        """The elected rank, its hooks done, sets ``verdict/<k>/abort_at`` (wall ns, two
+        store polls ahead: every rank reads it by then); the others wait for it
+        (bounded by the hooks' time limit) and every rank exits at that instant."""
+        poll = self.rec.config.store_poll_interval_s
+        store = self._store()
+        key = self._key(k, "abort_at")
+        at: int | None = None
+        with contextlib.suppress(Exception):
+            if elected:
+                at = time.time_ns() + int((2 * poll + 0.3) * 1e9)
+                store.set(key, str(at))
+            else:
+                until = time.monotonic() + self.config.hook_timeout_s + 2 * poll + 5.0
+                while at is None and time.monotonic() < until:
+                    if store.check([key]):
+                        at = int(_text(store.get(key)))
+                    else:
+                        time.sleep(min(poll, 0.2))
+        if at is not None:
+            time.sleep(max(0.0, min((at - time.time_ns()) / 1e9, 4 * poll + 5.0)))
+
+    def _no_verdict(self, inc: _Incident, why: str, path: Path | None) -> None:
+        where = f"; this rank's dump is at {path}" if path is not None else (
+            f"; this rank's dump is in {self.rec.config.dump_dir}")
+        with contextlib.suppress(Exception):
+            log.warning("frforensics: no verdict for this hang: %s%s", why, where)
+        inc.done.set()
+        if self.config.abort_after_verdict:
+            self._abort(EXIT_NO_VERDICT)
+
+    def _abort(self, code: int) -> None:
+        with contextlib.suppress(Exception):
+            log.warning("frforensics: exiting with code %d (abort_after_verdict)", code)
+            sys.stderr.flush()
+            sys.stdout.flush()
+        os._exit(code)

@@ -1,0 +1,758 @@
+"""Keep training without the bad rank: exclude the culprit and re-form the groups.
+
+Needs torch >= 2.15 (``init_process_group(..., enable_reconfigure=True)`` and
+``distributed_c10d._reconfigure``); on older torch :func:`setup` raises
+:class:`RecoveryUnavailable` with one line saying so. docs/recovery.md has the
+measured mechanics this module is built on and a real job log.
+
+::
+
+    dist.init_process_group("gloo", enable_reconfigure=True, timeout=timedelta(seconds=10))
+    recovery.setup()                       # first configuration, all ranks (or spares=1)
+    for step in ...:
+        with recovery.guard() as g:
+            train_step()
+        if g.reconfigured:
+            reshard(g.rank, g.world_size)
+
+What happens when a step fails (the blocked collective times out after the group's
+timeout, or fails because a peer died): the guard waits for the job's verdict
+(``frforensics.recorder`` with the orchestrator contract: one verdict per incident
+in the store), refuses with :class:`RecoveryRefused` when a culprit's action is
+``fix_code`` (or nothing can be excluded), else takes the ranks whose action is
+``replace_gpu_or_host`` as the exclusion set; every survivor then publishes a
+fresh reconfigure handle, the lowest survivor writes the new membership once
+(after every expected survivor arrived), everyone reconfigures the default group
+and each registered subgroup that lost a member with a fresh uuid, and a checked
+all_reduce proves the new group works. Every wait is bounded; a failure raises
+:class:`RecoveryFailed` with the verdict and the reason (never a second hang).
+An excluded rank that is still alive learns it from the store (a daemon thread)
+and exits with :data:`EXIT_EXCLUDED`.
+
+Ranks are *member ids*: the global rank each process had at ``init_process_group``.
+They never change; group ranks do (``g.rank``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from frforensics.errors import FrForensicsError
+
+__all__ = [
+    "EXIT_EXCLUDED",
+    "Guard",
+    "RecoveryError",
+    "RecoveryFailed",
+    "RecoveryRefused",
+    "RecoveryUnavailable",
+    "guard",
+    "new_group",
+    "run_step",
+    "setup",
+    "standby",
+    "state",
+    "verdict_from_dump_dir",
+]
+
+log = logging.getLogger("frforensics.recovery")
+
+#: Exit code of a process told it was excluded from the job.
+EXIT_EXCLUDED = 79
+_NS = "frforensics/recovery/"
+_PEER_LOSS = "Connection closed by peer"
+T = TypeVar("T")
+
+
+class RecoveryError(FrForensicsError):
+    """Base of the recovery errors; ``verdicts`` holds the job verdicts involved."""
+
+    def __init__(self, message: str, verdicts: Sequence[dict[str, Any]] = ()) -> None:
+        heads = [str(v.get("headline", "")) for v in verdicts if v]
+        full = message + "".join(f"\n  verdict: {h}" for h in heads if h)
+        super().__init__(full)
+        self.reason = message
+        self.verdicts = list(verdicts)
+
+    @property
+    def verdict(self) -> dict[str, Any] | None:
+        """The first verdict (the incident that started the recovery), if any."""
+        return self.verdicts[0] if self.verdicts else None
+
+
+class RecoveryUnavailable(RecoveryError):
+    """This torch cannot re-form a process group (needs torch >= 2.15)."""
+
+
+class RecoveryRefused(RecoveryError):
+    """The verdict says excluding a rank will not help (``fix_code``) or names nobody."""
+
+
+class RecoveryFailed(RecoveryError):
+    """Recovery was attempted and did not complete within its bounds."""
+
+
+def _torch() -> tuple[Any, Any, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    return torch, dist, c10d
+
+
+def available() -> str | None:
+    """None when this torch can reconfigure groups, else the one-line reason."""
+    try:
+        torch, _, c10d = _torch()
+    except Exception as exc:  # pragma: no cover - torch missing
+        return f"frforensics.recovery needs torch >= 2.15 (torch not importable: {exc})"
+    if not hasattr(c10d, "_reconfigure") or not hasattr(c10d, "_get_reconfigure_handle"):
+        return (f"frforensics.recovery needs torch >= 2.15 (process-group reconfigure); "
+                f"this is torch {torch.__version__}")
+    return None
+
+
+@dataclass
+class Options:
+    """Bounds of one recovery, in seconds."""
+
+    verdict_timeout_s: float = 90.0
+    arrival_timeout_s: float = 20.0
+    reconfigure_timeout_s: float = 20.0
+    check_timeout_s: float = 10.0
+    exit_excluded: bool = True
+    #: Where the verdict comes from: ``fn(timeout_s, detail) -> verdict dict | None``.
+    #: None: the recorder's verdict at hang time (``frforensics.recorder``).
+    verdict_source: Callable[[float, str], dict[str, Any] | None] | None = None
+
+
+@dataclass
+class _Sub:
+    group: Any
+    members: list[int]  # member ids, in group-rank order
+
+
+@dataclass
+class State:
+    """This process's view of the job's membership (``recovery.state()``)."""
+
+    me: int
+    members: list[int]
+    uuid: int
+    store: Any
+    options: Options
+    restart: str
+    incident: int = 0
+    spares: list[int] = field(default_factory=list)
+    subgroups: list[_Sub] = field(default_factory=list)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    recovering: bool = False
+    closed: bool = False
+
+
+_state: State | None = None
+
+
+def state() -> State:
+    """The current membership state; :class:`RecoveryError` before :func:`setup`."""
+    if _state is None:
+        raise RecoveryError("frforensics.recovery.setup() was not called")
+    return _state
+
+
+# ---------------------------------------------------------------- store helpers
+
+def _get(store: Any, key: str, deadline: float) -> bytes | None:
+    """The key's value, or None when it is not set by ``deadline`` (monotonic)."""
+    while True:
+        try:
+            if store.check([key]):
+                return bytes(store.get(key))
+        except Exception as exc:
+            raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _set(store: Any, key: str, value: str) -> None:
+    try:
+        store.set(key, value)
+    except Exception as exc:
+        raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
+
+
+def _handle(group: Any = None) -> str:
+    _, _, c10d = _torch()
+    return str(c10d._get_reconfigure_handle(group))
+
+
+def _reconfigure(uuid: int, handles: list[str], group: Any, timeout_s: float) -> None:
+    _, _, c10d = _torch()
+    work = c10d._reconfigure(uuid, handles, group=group, timeout=timedelta(seconds=timeout_s))
+    # The reconfigure Work refuses a finite wait ("FutureWrappingWork::wait() with
+    # finite timeout not implemented", torch 2.15); the backend bounds it by the
+    # timeout above, and this thread bounds it again so we never hang here.
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller's thread
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait, name="frforensics-reconfigure", daemon=True)
+    waiter.start()
+    waiter.join(timeout_s + 5.0)
+    if not outcome:
+        raise RecoveryFailed(f"reconfigure (uuid {uuid}) did not finish in {timeout_s + 5:g} s")
+    if outcome[0] is not None:
+        raise RecoveryFailed(f"reconfigure (uuid {uuid}) failed: {outcome[0]}")
+
+
+# ---------------------------------------------------------------- setup
+
+def setup(*, spares: int = 0, options: Options | None = None) -> State:
+    """First configuration of the default group (collective over every process).
+
+    Call right after ``init_process_group(..., enable_reconfigure=True)``. The
+    last ``spares`` processes become standbys (call :func:`standby` there); the
+    others form the group. Returns the state; raises :class:`RecoveryUnavailable`
+    on torch < 2.15 or a group created without ``enable_reconfigure=True``.
+    """
+    global _state
+    why = available()
+    if why is not None:
+        raise RecoveryUnavailable(why)
+    _, dist, c10d = _torch()
+    pg = c10d._get_default_group()
+    if not c10d._supports_reconfigure(pg):
+        raise RecoveryUnavailable("the default group's backend cannot reconfigure "
+                                  "(init_process_group(..., enable_reconfigure=True))")
+    opts = options or Options()
+    store = dist.PrefixStore(_NS, c10d._get_default_store())
+    me, world = pg.rank(), pg.size()
+    if not 0 <= spares < world:
+        raise RecoveryError(f"spares={spares} leaves no active rank in a world of {world}")
+    members = list(range(world - spares))
+    st = State(me=me, members=members, uuid=1, store=store, options=opts,
+               restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+               spares=list(range(world - spares, world)))
+    _state = st
+    if me in members:
+        _set(store, f"1/h/{me}", _handle())
+        deadline = time.monotonic() + opts.arrival_timeout_s
+        handles = []
+        for m in members:
+            raw = _get(store, f"1/h/{m}", deadline)
+            if raw is None:
+                raise RecoveryFailed(f"setup: rank {m} did not publish its handle in "
+                                     f"{opts.arrival_timeout_s:g} s")
+            handles.append(raw.decode())
+        _reconfigure(1, handles, None, opts.reconfigure_timeout_s)
+    _tell_recorder(pg, 1, list(range(world)), members, "first configuration")
+    threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
+                     daemon=True).start()
+    return st
+
+
+def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
+    """``dist.new_group`` whose membership the guard keeps (re-formed on exclusion).
+
+    ``ranks`` are member ids; every process of the current group calls it, as
+    with ``dist.new_group``.
+    """
+    st = state()
+    _, dist, _ = _torch()
+    group = dist.new_group(list(ranks), **kwargs)
+    st.subgroups.append(_Sub(group, list(ranks)))
+    return group
+
+
+# ---------------------------------------------------------------- the guard
+
+@dataclass
+class Guard:
+    """What one guarded step did: ``reconfigured``, and this process's new place."""
+
+    reconfigured: bool = False
+    rank: int = -1
+    world_size: int = -1
+    excluded: list[int] = field(default_factory=list)
+    verdict: dict[str, Any] | None = None
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+def _is_comm_failure(exc: BaseException) -> bool:
+    _, dist, _ = _torch()
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        # The messages gloo's failed ops raise (measured, docs/recovery.md); a
+        # program's own RuntimeError is not a communication failure.
+        return any(s in text for s in (
+            "Timed out waiting", _PEER_LOSS, "Application timeout caused pair closure",
+            "Connection reset by peer", "Operation timed out!", "Broken pipe", "NCCL error"))
+    return False
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[Guard]:
+    """Run a training step; on a failed collective, recover (see the module doc).
+
+    The step's own exception is swallowed only when recovery succeeded
+    (``g.reconfigured``); otherwise :class:`RecoveryRefused` or
+    :class:`RecoveryFailed` is raised from it. Other exceptions pass through.
+    """
+    st = state()
+    g = Guard(rank=_current_rank(st), world_size=len(st.members))
+    try:
+        yield g
+    except Exception as exc:
+        if not _is_comm_failure(exc):
+            raise
+        g.error = exc
+        recover(g, cause=exc)
+
+
+def run_step(fn: Callable[[], T]) -> tuple[T | None, Guard]:
+    """``fn()`` under :func:`guard`; returns (its result or None after a recovery, guard)."""
+    result: T | None = None
+    with guard() as g:
+        result = fn()
+    return result, g
+
+
+def _current_rank(st: State) -> int:
+    return st.members.index(st.me) if st.me in st.members else -1
+
+
+# ---------------------------------------------------------------- verdict
+
+def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | None:
+    if st.options.verdict_source is not None:
+        try:
+            return st.options.verdict_source(max(0.0, deadline - time.monotonic()), detail)
+        except Exception as exc:
+            _say(st, f"the verdict source failed: {exc}")
+            return None
+    try:
+        import frforensics.recorder as recorder
+    except Exception:
+        return None
+    request = getattr(recorder, "request_verdict", None)
+    wait = getattr(recorder, "wait_verdict", None)
+    if request is None or wait is None or not recorder.is_enabled():
+        return None
+    if _PEER_LOSS in detail or "Connection reset" in detail or "Broken pipe" in detail:
+        # The op failed at once because a peer died: give the dead peer's heartbeat
+        # time to go stale first, so the dumps the verdict reads name it (dead_rank)
+        # rather than a rank merely missing (the recorder's excepthook does the same).
+        with contextlib.suppress(Exception):
+            config = recorder.session().rec.config  # type: ignore[union-attr]
+            settle = min(float(config.stale_limit_s) + float(config.store_poll_interval_s), 10.0)
+            time.sleep(max(0.0, min(settle, deadline - time.monotonic())))
+    with contextlib.suppress(Exception):
+        request(detail)
+    v = wait(max(0.0, deadline - time.monotonic()))
+    return v if isinstance(v, dict) else None
+
+
+def exclusion_from(verdict: dict[str, Any], members: Sequence[int]) -> list[int]:
+    """The member ids to exclude, or :class:`RecoveryRefused` with the verdict.
+
+    ``fix_code`` anywhere refuses (excluding a rank will not fix a desync); the
+    ranks whose action is ``replace_gpu_or_host`` are excluded; a verdict that
+    names none (``inspect`` only, or an analysis error) refuses too.
+    """
+    actions = [a for a in verdict.get("actions") or [] if isinstance(a, dict)]
+    fix = sorted({int(a["rank"]) for a in actions if a.get("action") == "fix_code"})
+    if fix:
+        raise RecoveryRefused(
+            f"not excluding anyone: the verdict says fix_code for rank(s) {fix} "
+            "(a code bug: excluding ranks will not help)", [verdict])
+    out = sorted({int(a["rank"]) for a in actions
+                  if a.get("action") == "replace_gpu_or_host" and int(a["rank"]) in members})
+    if not out:
+        status = verdict.get("status")
+        raise RecoveryRefused(
+            f"not excluding anyone: the verdict (status {status}) names no rank to replace "
+            f"(actions: {[(a.get('rank'), a.get('action')) for a in actions]})", [verdict])
+    return out
+
+
+def verdict_from_dump_dir(dump_dir: str | os.PathLike[str], *, world_size: int,
+                          settle_s: float = 1.5) -> Callable[[float, str], dict[str, Any] | None]:
+    """A verdict source for jobs whose ranks share a dump directory.
+
+    When called, this rank dumps (the recorder's API dump, unless its watchdog
+    already did), waits until every rank of ``world_size`` has a dump there or
+    no new dump appeared for ``settle_s``, then runs ``fr-analyze --format json``
+    in a child process (the training process imports no analysis code) and
+    returns the report's verdict fields. Used when the recorder has no verdict
+    of its own at hang time; the first survivor's verdict is the one everyone
+    uses (see :func:`recover`).
+    """
+    from pathlib import Path
+
+    directory = Path(dump_dir)
+
+    def source(timeout_s: float, detail: str) -> dict[str, Any] | None:
+        import subprocess
+
+        end = time.monotonic() + timeout_s
+        with contextlib.suppress(Exception):
+            import frforensics.recorder as recorder
+
+            mine = directory / f"frdump_rank_{state().me}"
+            # The watchdog's dump (with the peers' heartbeats) is the better evidence:
+            # dump here only when the step failed before any deadline fired.
+            if recorder.is_enabled() and not mine.exists():
+                recorder.dump("api", f"recovery: {detail}"[:300])
+        seen: set[str] = set()
+        changed = time.monotonic()
+        while time.monotonic() < end:
+            now = {p.name for p in directory.glob("frdump_rank_*")}
+            if now != seen:
+                seen, changed = now, time.monotonic()
+            if len(seen) >= world_size or (seen and time.monotonic() - changed >= settle_s):
+                break
+            time.sleep(0.1)
+        if not seen:
+            return None
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "frforensics", "--format", "json",
+                 "--world-size", str(world_size), str(directory)],
+                capture_output=True, text=True, timeout=max(1.0, end - time.monotonic()),
+                check=False)
+            report = json.loads(out.stdout)
+        except Exception as exc:
+            return {"schema": "frforensics.verdict/1", "status": "error", "actions": [],
+                    "headline": f"no verdict: fr-analyze failed ({exc})", "error": str(exc)}
+        findings = report.get("findings") or [{}]
+        first = findings[0]
+        headline = (f"{str(report.get('status', '')).upper()} — {first.get('kind', '')}: "
+                    f"{first.get('message', '')}")
+        return {"schema": "frforensics.verdict/1", "status": report.get("status"),
+                "culprit_ranks": report.get("culprit_ranks", []),
+                "actions": report.get("actions", []), "headline": headline,
+                "text": headline, "source": str(directory), "error": None}
+
+    return source
+
+
+def _agree_on_verdict(st: State, uuid: int, local: dict[str, Any] | None,
+                      deadline: float) -> dict[str, Any] | None:
+    """The verdict every survivor uses for attempt ``uuid``: the first one published."""
+    key = f"{uuid}/verdict"
+    try:
+        if local is not None:
+            raw = st.store.compare_set(key, "", json.dumps(local))
+            return dict(json.loads(bytes(raw)))
+    except Exception as exc:
+        raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
+    raw = _get(st.store, key, deadline)
+    return None if raw is None else dict(json.loads(raw))
+
+
+# ---------------------------------------------------------------- recovery
+
+def recover(g: Guard, *, cause: BaseException | None = None) -> None:
+    """Exclude the verdict's culprits and re-form the groups (called by the guard)."""
+    st = state()
+    t0 = time.monotonic()
+    opts = st.options
+    with st.lock:
+        st.recovering = True
+    try:
+        detail = f"recovery: {type(cause).__name__}: {str(cause)[:200]}" if cause else "recovery"
+        _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'}); "
+                 f"waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
+        deadline = t0 + opts.verdict_timeout_s
+        verdict = _agree_on_verdict(st, st.uuid + 1, _wait_verdict(st, deadline, detail),
+                                    deadline)
+        if verdict is None:
+            raise RecoveryFailed(
+                f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
+                "enabled with the verdict at hang time?); not guessing whom to exclude") from cause
+        g.verdict = verdict
+        _say(st, f"verdict: {' '.join(str(verdict.get('headline', '')).split())}")
+        excluded = exclusion_from(verdict, st.members)
+        _reform(st, g, verdict, excluded, t0)
+    except RecoveryError as exc:
+        _say(st, f"recovery gave up: {exc.reason}")
+        raise exc from cause
+    finally:
+        st.recovering = False
+    g.seconds = time.monotonic() - t0
+    _say(st, f"reconfigured: now rank {g.rank} of {g.world_size} (excluded {g.excluded}, "
+             f"uuid {st.uuid}, {g.seconds:.2f} s after the step failed)")
+
+
+def _reform(st: State, g: Guard, verdict: dict[str, Any], excluded: list[int],
+            t0: float) -> None:
+    opts = st.options
+    uuid = st.uuid + 1
+    survivors = [m for m in st.members if m not in excluded]
+    if st.me not in survivors:
+        _exit_excluded(st, verdict)
+    # 1. arrive: a fresh handle per survivor, per attempt.
+    _set(st.store, f"{uuid}/h/{st.me}", _handle())
+    _set(st.store, f"{uuid}/open", "1")  # standbys watch this
+    leader = survivors[0]
+    deadline = time.monotonic() + opts.arrival_timeout_s
+    if st.me == leader:
+        handles: dict[int, str] = {}
+        for m in survivors:
+            raw = _get(st.store, f"{uuid}/h/{m}", deadline)
+            if raw is None:
+                _set(st.store, f"{uuid}/decision", json.dumps(
+                    {"failed": f"rank {m} did not arrive within {opts.arrival_timeout_s:g} s"}))
+                raise RecoveryFailed(
+                    f"rank {m} (a survivor) did not arrive at the recovery within "
+                    f"{opts.arrival_timeout_s:g} s", [verdict, *_later_verdicts(st)])
+            handles[m] = raw.decode()
+        admitted = _admit_spares(st, uuid, len(excluded), deadline)
+        members = survivors + [m for m, _ in admitted]
+        handles.update(dict(admitted))
+        decision = {"uuid": uuid, "members": members, "handles": [handles[m] for m in members],
+                    "old_members": st.members, "excluded": excluded,
+                    "reason": verdict.get("headline", ""), "incident": verdict.get("incident")}
+        _set(st.store, f"{uuid}/decision", json.dumps(decision))
+    else:
+        raw = _get(st.store, f"{uuid}/decision",
+                   deadline + opts.arrival_timeout_s)  # the leader's own bound, then ours
+        if raw is None:
+            raise RecoveryFailed(f"no membership decision from rank {leader} (the leader) "
+                                 f"within {2 * opts.arrival_timeout_s:g} s", [verdict])
+        decision = json.loads(raw)
+        if "failed" in decision:
+            raise RecoveryFailed(str(decision["failed"]), [verdict, *_later_verdicts(st)])
+    _apply(st, g, decision, verdict)
+
+
+def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any]) -> None:
+    """Reconfigure the default group (and subgroups) as ``decision`` says."""
+    opts = st.options
+    _, dist, c10d = _torch()
+    torch, _, _ = _torch()
+    uuid = int(decision["uuid"])
+    members = [int(m) for m in decision["members"]]
+    excluded = [int(m) for m in decision["excluded"]]
+    try:
+        _reconfigure(uuid, list(decision["handles"]), None, opts.reconfigure_timeout_s)
+    except RecoveryFailed as exc:
+        raise RecoveryFailed(exc.reason, [verdict]) from None
+    except Exception as exc:
+        raise RecoveryFailed(f"reconfigure (uuid {uuid}) failed: {exc}", [verdict]) from exc
+    old = st.members
+    st.members, st.uuid = members, uuid
+    _tell_recorder(c10d._get_default_group(), uuid, old, members,
+                   str(decision.get("reason", ""))[:300])
+    _reform_subgroups(st, excluded, uuid, verdict)
+    # Prove the new group works: every member adds its member id + 1.
+    t = torch.tensor([float(st.me + 1)])
+    work = dist.all_reduce(t, async_op=True)
+    try:
+        ok = work.wait(timeout=timedelta(seconds=opts.check_timeout_s))
+    except Exception as exc:
+        raise RecoveryFailed(f"the re-formed group failed its check all_reduce: {exc}",
+                             [verdict]) from exc
+    expected = float(sum(m + 1 for m in members))
+    if not ok or t.item() != expected:
+        raise RecoveryFailed(f"the re-formed group's check all_reduce gave {t.item()}, "
+                             f"expected {expected}", [verdict])
+    pg = c10d._get_default_group()
+    g.reconfigured, g.rank, g.world_size, g.excluded = True, pg.rank(), pg.size(), excluded
+    record = {"uuid": uuid, "old_members": old, "members": members, "excluded": excluded,
+              "reason": decision.get("reason", ""), "time_ns": time.time_ns()}
+    st.history.append(record)
+    _note_recorder(st, record)
+
+
+def _reform_subgroups(st: State, excluded: list[int], uuid: int,
+                      verdict: dict[str, Any]) -> None:
+    opts = st.options
+    for i, sub in enumerate(st.subgroups):
+        if not set(sub.members) & set(excluded):
+            continue  # untouched: keeps working as it is
+        keep = [m for m in sub.members if m not in excluded]
+        before, sub.members = sub.members, keep
+        if st.me not in keep:
+            continue
+        key = f"{uuid}/sub{i}/h/"
+        _set(st.store, key + str(st.me), _handle(sub.group))
+        deadline = time.monotonic() + opts.arrival_timeout_s
+        handles = []
+        for m in keep:
+            raw = _get(st.store, key + str(m), deadline)
+            if raw is None:
+                raise RecoveryFailed(f"subgroup {sub.members}: rank {m} did not publish its "
+                                     f"handle in {opts.arrival_timeout_s:g} s", [verdict])
+            handles.append(raw.decode())
+        try:
+            _reconfigure(uuid, handles, sub.group, opts.reconfigure_timeout_s)
+        except Exception as exc:
+            raise RecoveryFailed(f"subgroup {keep}: reconfigure failed: {exc}", [verdict]) from exc
+        _tell_recorder(sub.group, uuid, before, keep, f"excluded {excluded}")
+
+
+def _admit_spares(st: State, uuid: int, wanted: int,
+                  deadline: float) -> list[tuple[int, str]]:
+    out: list[tuple[int, str]] = []
+    for spare in list(st.spares):
+        if len(out) >= wanted:
+            break
+        raw = _get(st.store, f"{uuid}/spare/{spare}", min(deadline, time.monotonic() + 2.0))
+        if raw is not None:
+            out.append((spare, raw.decode()))
+            st.spares.remove(spare)
+    return out
+
+
+def _later_verdicts(st: State) -> list[dict[str, Any]]:
+    """A verdict of the next incident, when one arrives within a few seconds."""
+    try:
+        import frforensics.recorder as recorder
+    except Exception:
+        return []
+    rearm, wait = getattr(recorder, "rearm", None), getattr(recorder, "wait_verdict", None)
+    request = getattr(recorder, "request_verdict", None)
+    if rearm is None or wait is None or request is None or not recorder.is_enabled():
+        return []
+    with contextlib.suppress(Exception):
+        rearm()
+        request("recovery failed: a survivor did not arrive")
+        v = wait(st.options.arrival_timeout_s)
+        if isinstance(v, dict):
+            return [v]
+    return []
+
+
+def _tell_recorder(group: Any, uuid: int, old: Sequence[int], new: Sequence[int],
+                   reason: str) -> None:
+    """The recorder gives a re-formed group a new identity (recorder/_reconfig.py)."""
+    try:
+        import frforensics.recorder as recorder
+    except Exception:
+        return
+    note = getattr(recorder, "note_reconfigure", None)
+    if note is not None:
+        with contextlib.suppress(Exception):
+            note(group, uuid=uuid, old_members=list(old), members=list(new), reason=reason)
+
+
+def _note_recorder(st: State, record: dict[str, Any]) -> None:
+    """Tell the recorder (new incident, new rank and world size), when it listens."""
+    try:
+        import frforensics.recorder as recorder
+    except Exception:
+        return
+    rearm = getattr(recorder, "rearm", None)
+    if rearm is not None and recorder.is_enabled():
+        # Rank and world size stay the member ids of init_process_group: the
+        # recorder's dump names and group members are in those terms
+        # (recorder/_reconfig.py); the group rank is only the backend's.
+        with contextlib.suppress(Exception):
+            rearm()
+
+
+# ---------------------------------------------------------------- standby, exclusion
+
+def standby(*, timeout_s: float | None = None) -> Guard:
+    """Wait (in a spare process) until a recovery admits this process; returns its place.
+
+    Raises :class:`RecoveryFailed` when ``timeout_s`` passes first.
+    """
+    st = state()
+    if st.me not in st.spares:
+        raise RecoveryError(f"rank {st.me} is not a spare (spares: {st.spares})")
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    uuid = st.uuid + 1
+    _say(st, "standing by")
+    while end is None or time.monotonic() < end:
+        if _get(st.store, f"{uuid}/open", time.monotonic() + 0.5) is None:
+            continue
+        _set(st.store, f"{uuid}/spare/{st.me}", _handle())
+        raw = _get(st.store, f"{uuid}/decision", time.monotonic() + 3 * st.options.arrival_timeout_s)
+        if raw is None:
+            uuid += 1
+            continue
+        decision = json.loads(raw)
+        if "failed" in decision:
+            uuid += 1
+            continue
+        if st.me not in decision["members"]:
+            st.uuid = uuid
+            uuid += 1
+            continue
+        g = Guard()
+        st.spares = [s for s in st.spares if s != st.me]
+        for s in decision["members"]:
+            if s in st.spares:
+                st.spares.remove(s)
+        _apply(st, g, decision, {"headline": decision.get("reason", "")})
+        _say(st, f"admitted: now rank {g.rank} of {g.world_size}")
+        return g
+    raise RecoveryFailed(f"standby: not called in within {timeout_s:g} s")
+
+
+def _exclusion_watch(st: State) -> None:
+    """Daemon: a live process that a decision excluded is told so and exits."""
+    failures = 0
+    while not st.closed and failures < 3:  # the store is gone: the job is over
+        time.sleep(0.1)
+        if st.recovering or st.me not in st.members:
+            continue
+        uuid = st.uuid + 1
+        try:
+            if not st.store.check([f"{uuid}/decision"]):
+                failures = 0
+                continue
+            decision = json.loads(bytes(st.store.get(f"{uuid}/decision")))
+        except Exception:
+            failures += 1
+            continue
+        if "failed" in decision or st.me in decision.get("members", [st.me]):
+            continue
+        _exit_excluded(st, {"headline": decision.get("reason", "")})
+
+
+def _exit_excluded(st: State, verdict: dict[str, Any]) -> None:
+    _say(st, f"this rank was excluded from the job by the verdict: "
+             f"{' '.join(str(verdict.get('headline', '')).split())}; "
+             f"exiting with code {EXIT_EXCLUDED}")
+    if st.options.exit_excluded:
+        sys.stderr.flush()
+        os._exit(EXIT_EXCLUDED)
+    raise RecoveryRefused("this rank was excluded from the job", [verdict])
+
+
+def _say(st: State, message: str) -> None:
+    line = f"[frforensics.recovery rank {st.me}] {message}"
+    log.info(line)
+    with contextlib.suppress(Exception):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _reset_for_tests() -> None:
+    global _state
+    if _state is not None:
+        _state.closed = True
+    _state = None
+
