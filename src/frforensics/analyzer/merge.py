@@ -351,14 +351,24 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
 
     # Key groups by (name, members); unknown members are resolved below.
     known: dict[tuple[str, tuple[int, ...]], Group] = {}
+    # by identity first: a tuple's hash is not cached, and hashing the default
+    # group's members for every rank is O(world^2); equal groups arrive as one
+    # object (the loader, wire.WireCache)
+    seen: dict[int, tuple[GroupInfo, Group]] = {}
     unknown: dict[str, list[tuple[int, int, GroupInfo]]] = defaultdict(list)
     for rank, d in sorted(digests.items()):
         for local, info in enumerate(d.groups):
             if info.ranks is not None:
-                key = (info.name, info.ranks)
-                group = known.get(key)
-                if group is None:
-                    group = known[key] = Group(-1, info.name, info.desc, info.ranks, True)
+                hit = seen.get(id(info))
+                if hit is not None:
+                    group = hit[1]
+                else:
+                    key = (info.name, info.ranks)
+                    found = known.get(key)
+                    if found is None:
+                        found = known[key] = Group(-1, info.name, info.desc, info.ranks, True)
+                    group = found
+                    seen[id(info)] = (info, group)
                 group.local[rank] = local
                 if not group.desc and info.desc:
                     group.desc = info.desc
