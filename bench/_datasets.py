@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,22 +95,29 @@ def write_cloned_frdumps(out: Path, world: int, *, jobs: int, entries: int = ENT
     print(f"  generating {out} (cloned) ...", flush=True)
     out.mkdir(parents=True)
     template = _template(entries).traces()
-    chunks = [range(i, world, jobs) for i in range(jobs)]
+
+    def write(r: int) -> None:
+        (out / f"frdump_rank_{r}").write_bytes(frdump.encode(_clone(template[r % 64], r, world)))
+
+    _fan_out(world, jobs, write)
+    _done(out, started)
+    return out
+
+
+def _fan_out(world: int, jobs: int, write: Callable[[int], None]) -> None:
+    """``write(r)`` for every rank, in ``jobs`` forked children (rank ``r`` in child ``r % jobs``)."""
     pids = []
-    for chunk in chunks:
+    for chunk in (range(i, world, jobs) for i in range(jobs)):
         pid = os.fork()
         if pid == 0:  # pragma: no cover - child
             try:
                 for r in chunk:
-                    data = frdump.encode(_clone(template[r % 64], r, world))
-                    (out / f"frdump_rank_{r}").write_bytes(data)
+                    write(r)
             finally:
                 os._exit(0)
         pids.append(pid)
     for pid in pids:
         os.waitpid(pid, 0)
-    _done(out, started)
-    return out
 
 
 def _template(entries: int) -> JobDumps:
@@ -132,30 +140,22 @@ def write_cloned_native(out: Path, world: int, *, jobs: int, entries: int = ENTR
     out.mkdir(parents=True)
     template = _template(entries)
     docs = template.native_docs()
-    chunks = [range(i, world, jobs) for i in range(jobs)]
-    pids = []
-    for chunk in chunks:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            try:
-                for r in chunk:
-                    doc = dict(docs[r % 64])
-                    config = {}
-                    for name, g in doc["pg_config"].items():
-                        if g["desc"] == "default_pg":
-                            ranks = list(range(world))
-                        elif "TENSOR" in g["desc"]:
-                            ranks = list(range(r // 8 * 8, r // 8 * 8 + 8))
-                        else:
-                            ranks = list(range(r % 8, world, 8))
-                        config[name] = {**g, "ranks": str(ranks)}
-                    doc["pg_config"] = config
-                    (out / f"{PREFIX}{r}").write_bytes(pickle.dumps(doc, protocol=2))
-            finally:
-                os._exit(0)
-        pids.append(pid)
-    for pid in pids:
-        os.waitpid(pid, 0)
+
+    def write(r: int) -> None:
+        doc = dict(docs[r % 64])
+        config = {}
+        for name, g in doc["pg_config"].items():
+            if g["desc"] == "default_pg":
+                ranks = list(range(world))
+            elif "TENSOR" in g["desc"]:
+                ranks = list(range(r // 8 * 8, r // 8 * 8 + 8))
+            else:
+                ranks = list(range(r % 8, world, 8))
+            config[name] = {**g, "ranks": str(ranks)}
+        doc["pg_config"] = config
+        (out / f"{PREFIX}{r}").write_bytes(pickle.dumps(doc, protocol=2))
+
+    _fan_out(world, jobs, write)
     _done(out, started)
     return out
 
