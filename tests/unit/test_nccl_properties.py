@@ -322,7 +322,10 @@ def test_every_mode_checks_at_least_500_jobs() -> None:
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("layout", SCALE_LAYOUTS, ids=lambda lay: f"{lay[0] * lay[1] * lay[2]}ranks")
 @pytest.mark.parametrize(("mode", "fault"), _cases())
-def test_generated_jobs_at_scale(mode: str, fault: str, layout: Layout3) -> None:
+def test_generated_jobs_at_scale(mode: str, fault: str, layout: Layout3,
+                                 request: pytest.FixtureRequest) -> None:
+    if (mode, fault) in GAPS:
+        request.applymarker(pytest.mark.xfail(reason=GAPS[(mode, fault)], strict=True))
     if not _eligible(fault, layout):
         pytest.fail(f"{fault} cannot be planted on layout {layout}")
     tally = run_batch(mode, fault, range(2), layout)
