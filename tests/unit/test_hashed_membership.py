@@ -63,3 +63,15 @@ def test_a_name_that_no_candidate_reproduces_keeps_the_inferred_membership() -> 
     report = analyze(ds, options=AnalyzeOptions(world_size=6))
     assert any("inferred from which ranks' dumps name them" in n for n in report.notes)
     assert report.culprit_ranks == ()
+
+
+def test_membership_recovery_spends_a_bounded_number_of_hashes_per_job() -> None:
+    from frforensics.analyzer.merge import _HASH_BUDGET, _MAX_SALT, _members_from_hashed_name
+    budget = [_HASH_BUDGET]
+    tried = 0
+    for i in range(1000):  # hash-like names that no candidate reproduces
+        before = budget[0]
+        assert _members_from_hashed_name(f"{i:040x}", tuple(range(8)), list(range(8, 24)),
+                                         budget) is None
+        tried += before - budget[0]
+    assert tried <= _HASH_BUDGET and budget[0] < _MAX_SALT + 1

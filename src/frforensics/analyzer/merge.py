@@ -294,8 +294,13 @@ _SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
 _MAX_SALT = 4096
 
 
-def _members_from_hashed_name(name: str, seen: tuple[int, ...],
-                              silent: list[int]) -> tuple[int, ...] | None:
+#: SHA-1 computations allowed per job for membership recovery (about 0.2 s): a
+#: dump set full of hash-like group names must not cost more than that
+_HASH_BUDGET = 200_000
+
+
+def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int],
+                              budget: list[int]) -> tuple[int, ...] | None:
     """The members of a group named by ``_hash_ranks_to_str``, when the name proves them.
 
     PyTorch names hashed groups ``sha1("_".join(ranks) + "_" + str(counter))``
@@ -303,7 +308,8 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...],
     ``seen`` are the ranks whose dumps name the group; ``silent`` ranks left no
     dump and may be members too. Candidates: ``seen`` plus every silent rank,
     ``seen`` plus one silent rank, ``seen``. Returns the first candidate whose
-    hash is the name, or None (membership stays inferred).
+    hash is the name, or None (membership stays inferred). ``budget`` holds the
+    hashes still allowed in this job; once spent, membership stays inferred.
     """
     if not _SHA1_NAME.match(name):
         return None
@@ -316,6 +322,9 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...],
             candidates.extend(tuple(sorted({*seen, r})) for r in silent)
     candidates.append(seen)
     for members in candidates:
+        if budget[0] < _MAX_SALT + 1:
+            return None
+        budget[0] -= _MAX_SALT + 1
         joined = "_".join(map(str, members))
         if hashlib.sha1(joined.encode(), usedforsecurity=False).hexdigest() == name:
             return members
@@ -378,6 +387,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
     groups: list[Group] = list(known.values())
     inferred: list[str] = []
     recovered: list[str] = []
+    hash_budget = [_HASH_BUDGET]
     for name, uses in unknown.items():
         by_name = [g for g in groups if g.name == name]
         leftovers = []
@@ -396,7 +406,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         else:
             members = tuple(sorted({rank for rank, _, _ in leftovers}))
             silent = [r for r in world if r not in digests]
-            named = _members_from_hashed_name(name, members, silent)
+            named = _members_from_hashed_name(name, members, silent, hash_budget)
             if named is not None:
                 if named != members:
                     recovered.append(f"{name[:12]}… (ranks {format_ranks(list(named))})")
