@@ -66,12 +66,29 @@ def test_a_name_that_no_candidate_reproduces_keeps_the_inferred_membership() -> 
 
 
 def test_membership_recovery_spends_a_bounded_number_of_hashes_per_job() -> None:
-    from frforensics.analyzer.merge import _HASH_BUDGET, _MAX_SALT, _members_from_hashed_name
-    budget = [_HASH_BUDGET]
+    from frforensics.analyzer.merge import _HASH_CAP, _members_from_hashed_name, hash_budget
+    allowed = hash_budget(1000)
+    assert allowed <= _HASH_CAP
+    budget = [allowed]
     tried = 0
     for i in range(1000):  # hash-like names that no candidate reproduces
         before = budget[0]
         assert _members_from_hashed_name(f"{i:040x}", tuple(range(8)), list(range(8, 24)),
                                          budget) is None
         tried += before - budget[0]
-    assert tried <= _HASH_BUDGET and budget[0] < _MAX_SALT + 1
+    assert tried <= allowed and budget[0] < 18
+
+
+def test_late_groups_of_a_many_group_job_are_still_recovered() -> None:
+    """Salts are tried in counter order: group N costs about N hashes per candidate,
+    so a job with hundreds of groups stays within its budget (the CI failure of
+    2026-12-01: a 36-group job spent the old per-name full salt sweep)."""
+    from frforensics.analyzer.merge import _members_from_hashed_name, hash_budget
+    groups = 400
+    budget = [hash_budget(groups)]
+    for counter in range(groups):
+        members = (counter % 97, 100 + counter)
+        name = hashlib.sha1(("_".join(map(str, members)) + f"_{counter}").encode()).hexdigest()
+        seen = members[:1]  # the second member crashed: no dump
+        assert _members_from_hashed_name(name, seen, [100 + counter, 999], budget) == members
+    assert budget[0] > 0

@@ -294,9 +294,17 @@ _SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
 _MAX_SALT = 4096
 
 
-#: SHA-1 computations allowed per job for membership recovery (about 0.2 s): a
-#: dump set full of hash-like group names must not cost more than that
+#: SHA-1 computations allowed per job for membership recovery: a base (about
+#: 0.2 s) plus a share per hash-like group name, capped (about 2 s), so that a
+#: dump set full of hash-like names that no candidate reproduces stays bounded
 _HASH_BUDGET = 200_000
+_HASH_PER_NAME = 1_024
+_HASH_CAP = 2_000_000
+
+
+def hash_budget(names: int) -> int:
+    """Hashes allowed for a job with ``names`` hash-like group names of unknown membership."""
+    return min(_HASH_CAP, _HASH_BUDGET + _HASH_PER_NAME * names)
 
 
 def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int],
@@ -307,32 +315,42 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int
     (``distributed_c10d._hash_ranks_to_str``; some tools hash without the counter).
     ``seen`` are the ranks whose dumps name the group; ``silent`` ranks left no
     dump and may be members too. Candidates: ``seen`` plus every silent rank,
-    ``seen`` plus one silent rank, ``seen``. Returns the first candidate whose
-    hash is the name, or None (membership stays inferred). ``budget`` holds the
+    ``seen`` plus one silent rank, ``seen``. The counter is small (groups
+    created so far), so salts are the outer loop: a group costs about
+    ``(counter + 1) * candidates`` hashes. Returns the first candidate whose hash
+    is the name, or None (membership stays inferred). ``budget`` holds the
     hashes still allowed in this job; once spent, membership stays inferred.
     """
     if not _SHA1_NAME.match(name):
         return None
+    target = bytes.fromhex(name)
     # Candidates with silent ranks first: "0_1_2" salted "_3" is also "0_1_2_3"
     # unsalted, and a silent rank whose addition reproduces the name is a member.
-    candidates = []
+    candidates: list[tuple[int, ...]] = []
     if silent and len(silent) <= 4096:
         candidates.append(tuple(sorted({*seen, *silent})))
         if len(silent) <= 16:
             candidates.extend(tuple(sorted({*seen, r})) for r in silent)
     candidates.append(seen)
+    candidates = list(dict.fromkeys(candidates))
+    if budget[0] < len(candidates):
+        return None
+    budget[0] -= len(candidates)
+    bases = []
     for members in candidates:
-        if budget[0] < _MAX_SALT + 1:
-            return None
-        budget[0] -= _MAX_SALT + 1
         joined = "_".join(map(str, members))
-        if hashlib.sha1(joined.encode(), usedforsecurity=False).hexdigest() == name:
+        if hashlib.sha1(joined.encode(), usedforsecurity=False).digest() == target:
             return members
-        base = hashlib.sha1((joined + "_").encode(), usedforsecurity=False)
-        for salt in range(_MAX_SALT):
+        bases.append((members, hashlib.sha1((joined + "_").encode(), usedforsecurity=False)))
+    for salt in range(_MAX_SALT):
+        if budget[0] < len(bases):
+            return None
+        budget[0] -= len(bases)
+        tail = str(salt).encode()
+        for members, base in bases:
             h = base.copy()
-            h.update(str(salt).encode())
-            if h.hexdigest() == name:
+            h.update(tail)
+            if h.digest() == target:
                 return members
     return None
 
@@ -387,7 +405,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
     groups: list[Group] = list(known.values())
     inferred: list[str] = []
     recovered: list[str] = []
-    hash_budget = [_HASH_BUDGET]
+    budget = [hash_budget(sum(1 for n in unknown if _SHA1_NAME.match(n)))]
     for name, uses in unknown.items():
         by_name = [g for g in groups if g.name == name]
         leftovers = []
@@ -406,7 +424,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         else:
             members = tuple(sorted({rank for rank, _, _ in leftovers}))
             silent = [r for r in world if r not in digests]
-            named = _members_from_hashed_name(name, members, silent, hash_budget)
+            named = _members_from_hashed_name(name, members, silent, budget)
             if named is not None:
                 if named != members:
                     recovered.append(f"{name[:12]}… (ranks {format_ranks(list(named))})")
