@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import zlib
 from dataclasses import dataclass
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -305,40 +305,39 @@ def _record_order_seqs(trace: RankTrace, seq: I8) -> tuple[I8, tuple[str, ...]]:
     return out, tuple(notes)
 
 
-def _detail(trace: RankTrace, row: int, locations: dict[int, str | None],
-            state: U1, is_p2p: U1, seq: I8) -> EntryDetail:
+def _details(trace: RankTrace, rows: list[int], state: U1, is_p2p: U1,
+             seq: I8) -> dict[int, EntryDetail]:
+    """:class:`EntryDetail` of ``rows`` (sorted): each column read once for all rows."""
+    if not rows:
+        return {}
     e = trace.entries
     s = trace.string
-    stack = int(e.stack[row])
-    frames = trace.stack(stack)
-    if stack not in locations:
-        frame = user_frame(frames)
+    idx = np.asarray(rows, dtype=np.int64)
+
+    def col(values: npt.NDArray[Any]) -> list[Any]:
+        return values[idx].tolist()  # type: ignore[no-any-return]
+
+    def text(values: npt.NDArray[Any]) -> list[str]:
+        return [s(i) for i in values[idx].tolist()]
+
+    locations: dict[int, str | None] = {}
+    stacks = col(e.stack)
+    for stack in set(stacks):
+        frame = user_frame(trace.stack(stack))
         locations[stack] = None if frame is None else str(frame)
-    return EntryDetail(
-        row=row,
-        record_id=int(e.record_id[row]),
-        group=int(e.pg[row]),
-        seq=int(seq[row]),
-        p2p_seq=int(e.p2p_seq[row]),
-        peer_seq=int(e.peer_seq[row]),
-        op=s(int(e.op[row])),
-        is_p2p=bool(is_p2p[row]),
-        peer=int(e.peer[row]),
-        root=int(e.root[row]),
-        in_shapes=s(int(e.in_shapes[row])),
-        out_shapes=s(int(e.out_shapes[row])),
-        in_dtypes=s(int(e.in_dtypes[row])),
-        out_dtypes=s(int(e.out_dtypes[row])),
-        reduce_op=s(int(e.reduce_op[row])),
-        state=OpState(int(state[row])),
-        t_enqueue_ns=int(e.t_enqueue_ns[row]),
-        t_start_ns=int(e.t_start_ns[row]),
-        t_complete_ns=int(e.t_complete_ns[row]),
-        timeout_ms=int(e.timeout_ms[row]),
-        thread=s(int(e.thread[row])),
-        frames=frames,
-        location=locations[stack],
-    )
+    columns = zip(
+        rows, col(e.record_id), col(e.pg), col(seq), col(e.p2p_seq), col(e.peer_seq),
+        text(e.op), col(is_p2p), col(e.peer), col(e.root), text(e.in_shapes),
+        text(e.out_shapes), text(e.in_dtypes), text(e.out_dtypes), text(e.reduce_op),
+        col(state), col(e.t_enqueue_ns), col(e.t_start_ns), col(e.t_complete_ns),
+        col(e.timeout_ms), text(e.thread), stacks, strict=True)
+    return {
+        row: EntryDetail(row, rid, pg, sq, p2p, pseq, op, bool(p), peer, root, ins, outs,
+                         idt, odt, red, OpState(st), t0, t1, t2, tmo, thread,
+                         trace.stack(stack), locations[stack])
+        for (row, rid, pg, sq, p2p, pseq, op, p, peer, root, ins, outs, idt, odt, red, st,
+             t0, t1, t2, tmo, thread, stack) in columns
+    }
 
 
 def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDigest:
@@ -388,8 +387,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
                       or (e.state == OpState.STARTED).any() or (e.t_start_ns > 0).any())
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(state != OpState.COMPLETED).tolist())
-    locations: dict[int, str | None] = {}
-    details = {row: _detail(trace, row, locations, state, is_p2p, seq) for row in sorted(keep)}
+    details = _details(trace, sorted(keep), state, is_p2p, seq)
     return RankDigest(
         rank=rank,
         rank_from=trace.rank_from,

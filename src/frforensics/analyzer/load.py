@@ -140,11 +140,19 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
     # ranks: at 16,384 ranks that is 16,384 ints per digest, 10 GB if each digest
     # kept its own copy. Equal groups share one object within a batch, which the
     # pickle carrying the batch back then stores once.
-    shared: dict[GroupInfo, GroupInfo] = {}
+    # Keyed by the members' identity when they are large: the decoders hand out
+    # one tuple per distinct membership (formats._shared), and hashing a
+    # 16,384-member tuple per rank would cost O(world) each.
+    shared: dict[tuple[object, ...], GroupInfo] = {}
     out: list[RankDigest | LoadProblem] = []
+
+    def key(g: GroupInfo) -> tuple[object, ...]:
+        big = g.ranks is not None and len(g.ranks) > 64
+        return (g.name, g.desc, g.backend, id(g.ranks) if big else g.ranks, big)
+
     for item in items:
         if isinstance(item, RankDigest):
-            groups = tuple(shared.setdefault(g, g) for g in item.groups)
+            groups = tuple(shared.setdefault(key(g), g) for g in item.groups)
             item = replace(item, groups=groups)
         out.append(item)
     return out

@@ -49,6 +49,7 @@ from frforensics.errors import (
     NotADumpError,
     UnsupportedVersionError,
 )
+from frforensics.formats._shared import shared_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     ENTRY_COLUMNS,
@@ -346,6 +347,18 @@ def _group_ranks(raw: Any, source: str, limits: Limits) -> tuple[int, ...] | Non
     of ints (version 1), within ``limits``."""
     if raw is None:
         return None
+    if isinstance(raw, dict):
+        arith = raw.get("arith")
+        if isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith):
+            return shared_ranks(("arith", limits.max_rank, *arith), arith[2],
+                                lambda: _parse_group_ranks(raw, source, limits))
+    elif isinstance(raw, bytes):
+        return shared_ranks(("packed", limits.max_rank, raw), len(raw) // 4,
+                            lambda: _parse_group_ranks(raw, source, limits))
+    return _parse_group_ranks(raw, source, limits)
+
+
+def _parse_group_ranks(raw: Any, source: str, limits: Limits) -> tuple[int, ...] | None:
     if isinstance(raw, dict):
         arith = raw.get("arith")
         if (isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith)

@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from itertools import chain, pairwise, repeat
 from operator import itemgetter
 from typing import Any, Final, NamedTuple, NoReturn
@@ -46,6 +47,7 @@ from frforensics.errors import (
     NotADumpError,
     UnsafeDumpError,
 )
+from frforensics.formats._shared import shared_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     NO_INDEX,
@@ -948,7 +950,9 @@ def _header(
             continue  # gloo writes {'': {name: '', desc: '', ranks: '[]'}}
         raw = cfg.get("ranks")
         if id(raw) not in ranks_of:
-            ranks_of[id(raw)] = _parse_ranks(raw, limits)
+            ranks_of[id(raw)] = (
+                shared_ranks(("text", limits.max_rank, raw), len(raw) // 4, partial(_parse_ranks, raw, limits))
+                if isinstance(raw, str) else _parse_ranks(raw, limits))
         config[name] = (_cut(_as_str(cfg.get("desc")), limits), ranks_of[id(raw)])
     version = _cut(_as_str(doc.get("version")), limits)
     # keys are named through _as_str: a tuple key is never stringified in depth
