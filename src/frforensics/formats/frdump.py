@@ -421,7 +421,7 @@ def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> 
     if not len(f_file) == len(f_line) == len(f_name):
         raise CorruptDumpError(f"{source}: frame table columns differ in length")
     frames = [
-        Frame(text(int(a)), int(b), text(int(c)))
+        Frame(text(a), b, text(c))
         for a, b, c in zip(f_file.tolist(), f_line.tolist(), f_name.tolist(), strict=True)
     ]
     n_frames = len(frames)
@@ -430,7 +430,7 @@ def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> 
         ids = _int_column(raw, "stack", source).tolist()
         if ids and (min(ids) < 0 or max(ids) >= n_frames):
             raise CorruptDumpError(f"{source}: stack refers to a missing frame")
-        stacks.append(tuple(frames[i] for i in ids))
+        stacks.append(tuple(map(frames.__getitem__, ids)))
 
     def stack_at(index: Any) -> tuple[Frame, ...]:
         return stacks[index] if isinstance(index, int) and 0 <= index < len(stacks) else ()
