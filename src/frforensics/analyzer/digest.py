@@ -376,16 +376,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
 
     # a call site is the whole stack (two call paths may share their user frame);
     # reports show its user frame
-    # (a frame object is shared by the stacks that hold it: its text once)
-    texts: dict[int, str] = {}
-
-    def frame_text(frame: Frame) -> str:
-        t = texts.get(id(frame))
-        if t is None:
-            t = texts[id(frame)] = str(frame)
-        return t
-
-    stack_ids = [str_hash("|".join(map(frame_text, frames))) for frames in trace.stacks]
+    stack_ids = [str_hash("|".join(map(str, frames))) for frames in trace.stacks]
     site_lookup = np.append(np.asarray(stack_ids, dtype=np.uint32), np.uint32(0))
     sites: dict[int, str] = {}
     for sid, frames in zip(stack_ids, trace.stacks, strict=True):
