@@ -8,6 +8,7 @@ Never imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from frforensics._gc import gc_paused
@@ -93,7 +94,8 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     report = Report(
         world_size=job.world_size,
         ranks_loaded=tuple(sorted(job.digests)),
-        ranks_missing=tuple(job.missing_dumps),
+        # too many to list: the report holds them as ranges (rankset.listable)
+        ranks_missing=tuple(job.missing_dumps) if job.silent_listed else job.missing_dumps,
         culprit_ranks=culprits,
         ranks=facts,
         findings=tuple(findings),
@@ -165,7 +167,7 @@ def _explained_by_desync(findings: list[Finding]) -> list[Finding]:
     wrong calls, so ranks stop at different seqs: those stops are consequences
     of the desync, not more culprits.
     """
-    first: dict[tuple[str, tuple[int, ...] | None], int] = {}
+    first: dict[tuple[str, Sequence[int] | None], int] = {}
     for f in findings:
         if f.kind in _DESYNC and f.pg is not None and f.seq is not None:
             key = (f.pg.name, f.pg.ranks)

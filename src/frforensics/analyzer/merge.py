@@ -18,13 +18,21 @@ it is stuck in. A rank is blocked in its *earliest unfinished* op
 (``blocked_row``); an op it enqueued after that and whose kernel did not start is
 *queued* behind it — the rank is "in" that op only as a queued entry, so peers
 waiting in it wait **for** that rank (docs/native-format.md, "the CPU runs ahead").
+
+The world is sparse: its size is a claim (a dump's ``world_size``,
+``--world-size``, the highest rank seen), so the ranks without a dump are a
+:class:`~frforensics.rankset.RankSet` and, when they are too many to list
+(``rankset.listable``), the default group's inferred members are a ``range``:
+every pass walks the ranks with dumps, never the claimed world.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +40,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import RankDigest, str_hash
 from frforensics.model import GroupInfo, OpState
+from frforensics.rankset import RankSet, listable
 from frforensics.report import GroupRef, format_ranks
 
 __all__ = ["Group", "JobModel", "build_job"]
@@ -47,12 +56,19 @@ class Group:
     gid: int
     name: str
     desc: str
-    ranks: tuple[int, ...]
+    #: global ranks in group order; a ``range`` for a default group inferred from
+    #: a world too large to list (``JobModel.silent_listed`` false)
+    ranks: Sequence[int]
     ranks_known: bool
     local: dict[int, int] = field(default_factory=dict)  # rank -> index in its digest
 
     def ref(self) -> GroupRef:
-        return GroupRef(self.name, self.desc, self.ranks)
+        return GroupRef(self.name, self.desc, self.ranks, listed=self.listed)
+
+    @property
+    def listed(self) -> bool:
+        """False when the members are a claimed world too large to list per rank."""
+        return not isinstance(self.ranks, range)
 
     @property
     def is_default(self) -> bool:
@@ -72,7 +88,8 @@ class JobModel:
     """The merged job: digests by rank, global groups, and per-rank views."""
 
     digests: dict[int, RankDigest]
-    world: tuple[int, ...]
+    #: ranks ``0 .. max(world_size, highest rank seen + 1) - 1``, never materialised
+    world: range
     world_size: int | None
     groups: list[Group]
     group_of: dict[tuple[int, int], int]
@@ -80,12 +97,38 @@ class JobModel:
     now_known: bool
     #: some dump shows GPU progress (``started`` states): NCCL semantics apply
     gpu_states: bool = False
+    #: the ranks of ``world`` without a dump
+    missing: RankSet = field(default_factory=RankSet)
     _views: dict[tuple[int, int], _RankGroupView] = field(default_factory=dict)
     _blocked: dict[int, int | None] = field(default_factory=dict)
+    _dumped: dict[int, list[int]] = field(default_factory=dict)
 
     @property
-    def missing_dumps(self) -> list[int]:
-        return [r for r in self.world if r not in self.digests]
+    def missing_dumps(self) -> RankSet:
+        """The ranks of the world that left no dump (ascending; sparse)."""
+        return self.missing
+
+    @property
+    def silent_listed(self) -> bool:
+        """True when the ranks without a dump are few enough to name one by one
+        (``rankset.listable``): then every pass may walk the world as a list."""
+        return listable(len(self.missing), len(self.digests))
+
+    def dumped_members(self, gid: int) -> list[int]:
+        """The members of group ``gid`` that left a dump, in group order; costs
+        the smaller of the group and the dumps (a claimed world is never walked)."""
+        cached = self._dumped.get(gid)
+        if cached is not None:
+            return cached
+        ranks = self.groups[gid].ranks
+        if isinstance(ranks, range) and len(ranks) > len(self.digests):
+            out = [r for r in sorted(self.digests) if r in ranks]
+            if ranks.step < 0:
+                out.reverse()
+        else:
+            out = [r for r in ranks if r in self.digests]
+        self._dumped[gid] = out
+        return out
 
     def view(self, rank: int, gid: int) -> _RankGroupView | None:
         """Rows of ``rank``'s digest in group ``gid`` (None if it has none)."""
@@ -199,8 +242,8 @@ class JobModel:
         if gid is None:
             return False
         seq = int(d.seq[row])
-        for member in self.groups[gid].ranks:
-            if member == rank or member not in self.digests:
+        for member in self.dumped_members(gid):
+            if member == rank:
                 continue
             view = self.view(member, gid)
             if view is None or len(view.coll_rows) == 0 or not \
@@ -292,6 +335,8 @@ _SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
 #: salts tried: PyTorch appends a group counter (``_world.group_count`` in 2.15,
 #: ``len(_world.pg_names)`` in 2.13) to the joined ranks before hashing
 _MAX_SALT = 4096
+#: silent ranks tried as members of a hashed group name (beyond, only the ranks seen)
+_MAX_SILENT_CANDIDATES = 4096
 
 
 #: SHA-1 computations allowed per job for membership recovery: a base (about
@@ -327,7 +372,7 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int
     # Candidates with silent ranks first: "0_1_2" salted "_3" is also "0_1_2_3"
     # unsalted, and a silent rank whose addition reproduces the name is a member.
     candidates: list[tuple[int, ...]] = []
-    if silent and len(silent) <= 4096:
+    if silent and len(silent) <= _MAX_SILENT_CANDIDATES:
         candidates.append(tuple(sorted({*seen, *silent})))
         if len(silent) <= 16:
             candidates.extend(tuple(sorted({*seen, r})) for r in silent)
@@ -368,13 +413,18 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         notes.append(f"dumps disagree on the world size ({sorted(sizes)}); using {known_size}")
     highest = max(digests) if digests else -1
     if known_size is None:
-        world = tuple(range(highest + 1))
+        world = range(highest + 1)
         notes.append(
             "world size unknown (native dumps do not record it): ranks above "
             f"{highest} would be invisible; pass --world-size to check for them"
         )
     else:
-        world = tuple(range(max(known_size, highest + 1)))
+        world = range(max(known_size, highest + 1))
+    missing = RankSet.difference(world, digests)
+    # A world few enough ranks short is listed as before; beyond that, the
+    # default group's inferred members stay a range (docs/security.md).
+    listed = listable(len(missing), len(digests))
+    silent_ranks: list[int] = list(missing) if len(missing) <= _MAX_SILENT_CANDIDATES else []
 
     # Key groups by (name, members); unknown members are resolved below.
     known: dict[tuple[str, tuple[int, ...]], Group] = {}
@@ -419,12 +469,12 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             continue
         descs = {info.desc for _, _, info in leftovers if info.desc}
         desc = "default_pg" if "default_pg" in descs else (sorted(descs)[0] if descs else "")
+        members: Sequence[int]
         if desc == "default_pg":
-            members = world
+            members = tuple(world) if listed else world
         else:
             members = tuple(sorted({rank for rank, _, _ in leftovers}))
-            silent = [r for r in world if r not in digests]
-            named = _members_from_hashed_name(name, members, silent, budget)
+            named = _members_from_hashed_name(name, members, silent_ranks, budget)
             if named is not None:
                 if named != members:
                     recovered.append(f"{name[:12]}… (ranks {format_ranks(list(named))})")
@@ -445,7 +495,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             "group membership not in the dumps (gloo) for group(s) "
             f"{', '.join(sorted(inferred)[:8])}: inferred from which ranks' dumps name them"
         )
-    groups.sort(key=lambda g: (not g.is_default, g.name, g.ranks))
+    groups.sort(key=lambda g: (not g.is_default, g.name, _members_key(g.ranks)))
     group_of: dict[tuple[int, int], int] = {}
     for gid, group in enumerate(groups):
         group.gid = gid
@@ -468,4 +518,34 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         notes=notes,
         now_known=now_known,
         gpu_states=gpu_states,
+        missing=missing,
     )
+
+
+@functools.total_ordering
+class _members_key:
+    """Orders member lists as tuples do, without copying a ``range`` into one."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = ranks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _members_key) and _compare(self.ranks, other.ranks) == 0
+
+    def __lt__(self, other: _members_key) -> bool:
+        return _compare(self.ranks, other.ranks) < 0
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _compare(a: Sequence[int], b: Sequence[int]) -> int:
+    """Lexicographic comparison, stopping at the first difference."""
+    if isinstance(a, range) and isinstance(b, range) and a.step == b.step == 1 \
+            and len(a) and len(b) and a.start == b.start:
+        return (len(a) > len(b)) - (len(a) < len(b))
+    for x, y in zip(a, b):  # noqa: B905 - lengths differ on purpose
+        if x != y:
+            return -1 if x < y else 1
+    return (len(a) > len(b)) - (len(a) < len(b))

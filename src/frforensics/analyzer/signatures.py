@@ -71,7 +71,7 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     """Every group's first mismatch per field (op, then size, then dtype)."""
     found: list[Mismatch] = []
     for group in job.groups:
-        parts = [u for r in group.ranks if r in job.digests
+        parts = [u for r in job.dumped_members(group.gid)
                  if (u := units(job, r, group.gid)) is not None]
         if len(parts) < 2:
             continue

@@ -4,9 +4,10 @@ and ranks grouped by state (ranges, so 10,000 ranks stay a few rows)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from frforensics.rankset import RankSet
 from frforensics.report import Finding, Report, Severity, Status, code_sides, format_ranks
 
 __all__ = ["RankState", "action_lines", "code_sides", "culprit_label", "rank_states", "seq_label",
@@ -20,7 +21,8 @@ class RankState:
     """Ranks that were doing the same thing at dump time."""
 
     state: str
-    ranks: tuple[int, ...]
+    #: a tuple, or the report's RankSet of ranks without a dump (too many to list)
+    ranks: Sequence[int]
 
     @property
     def ranks_label(self) -> str:
@@ -90,9 +92,11 @@ def rank_states(report: Report) -> list[RankState]:
         else:
             key = "not blocked in any recorded op"
         groups[key].append(rank)
-    if report.ranks_missing:
-        groups["no dump"] = list(report.ranks_missing)
     states = [RankState(k, tuple(sorted(v))) for k, v in groups.items()]
+    if report.ranks_missing:
+        missing = report.ranks_missing
+        states.append(RankState("no dump", missing if isinstance(missing, RankSet)
+                                else tuple(sorted(missing))))
     states.sort(key=lambda s: (-len(s.ranks), s.ranks[0]))
     return states
 

@@ -243,11 +243,14 @@ class _Gathered:
         luts: list[list[int]] = []
         cols: list[list[int]] = []
         canons: list[list[int]] = []  # a number per global group within the rank
-        members = [{r: i for i, r in enumerate(g.ranks)} for g in job.groups]
+        # a range (a claimed world too large to list) answers index lookups itself
+        members: list[dict[int, int] | range] = [
+            g.ranks if isinstance(g.ranks, range) else {r: i for i, r in enumerate(g.ranks)}
+            for g in job.groups]
         for rank, d in zip(ranks, digests, strict=True):
             lut = [job.group_of.get((rank, i), -1) for i in range(len(d.groups))]
             luts.append([*lut, -1])
-            cols.append([members[g].get(rank, -1) if g >= 0 else -1 for g in lut] + [-1])
+            cols.append([_member_index(members[g], rank) if g >= 0 else -1 for g in lut] + [-1])
             canons.append([lut.index(g) for g in lut] + [len(lut)])
         n_local = np.array([len(lut) - 1 for lut in luts], dtype=np.int64)
         base = np.zeros(len(ranks), dtype=np.int64)
@@ -619,3 +622,10 @@ def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: np
             "basis": "enqueue",
         },
     )
+
+
+def _member_index(members: dict[int, int] | range, rank: int) -> int:
+    """``rank``'s index among a group's members, -1 when it is none of them."""
+    if isinstance(members, range):
+        return members.index(rank) if rank in members else -1
+    return members.get(rank, -1)
