@@ -87,6 +87,11 @@ class RankSet(Sequence[int]):
                 out.append(range(start, span.stop))
         return RankSet(out)
 
+    def clip(self, within: range) -> RankSet:
+        """The ranks of this set inside ``within`` (step 1)."""
+        return RankSet(range(max(s.start, within.start), min(s.stop, within.stop))
+                       for s in self._spans)
+
     @property
     def spans(self) -> tuple[range, ...]:
         """The disjoint ranges, ascending."""

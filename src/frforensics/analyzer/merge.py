@@ -21,9 +21,12 @@ waiting in it wait **for** that rank (docs/native-format.md, "the CPU runs ahead
 
 The world is sparse: its size is a claim (a dump's ``world_size``,
 ``--world-size``, the highest rank seen), so the ranks without a dump are a
-:class:`~frforensics.rankset.RankSet` and, when they are too many to list
-(``rankset.listable``), the default group's inferred members are a ``range``:
-every pass walks the ranks with dumps, never the claimed world.
+:class:`~frforensics.rankset.RankSet`. When they are too many to list
+(``rankset.listable``), those above the highest rank with a dump — implied by
+the size claim alone — are ``JobModel.unlisted``, held only as ranges; the
+holes below it stay named one by one (a dump from a higher rank proves they
+existed) while they are listable. The default group's inferred members are
+then a ``range``, and every pass walks the ranks with dumps, never the world.
 """
 
 from __future__ import annotations
@@ -99,9 +102,13 @@ class JobModel:
     gpu_states: bool = False
     #: the ranks of ``world`` without a dump
     missing: RankSet = field(default_factory=RankSet)
+    #: the part of ``missing`` too many to name one by one (``rankset.listable``),
+    #: held only as ranges; empty for a job whose missing ranks are listable
+    unlisted: RankSet = field(default_factory=RankSet)
     _views: dict[tuple[int, int], _RankGroupView] = field(default_factory=dict)
     _blocked: dict[int, int | None] = field(default_factory=dict)
     _dumped: dict[int, list[int]] = field(default_factory=dict)
+    _named: RankSet | None = None
 
     @property
     def missing_dumps(self) -> RankSet:
@@ -110,9 +117,16 @@ class JobModel:
 
     @property
     def silent_listed(self) -> bool:
-        """True when the ranks without a dump are few enough to name one by one
+        """True when every rank without a dump is named one by one
         (``rankset.listable``): then every pass may walk the world as a list."""
-        return listable(len(self.missing), len(self.digests))
+        return not self.unlisted
+
+    @property
+    def named_missing(self) -> RankSet:
+        """The ranks without a dump that are named one by one (a listable number)."""
+        if self._named is None:
+            self._named = self.missing.minus(self.unlisted) if self.unlisted else self.missing
+        return self._named
 
     def dumped_members(self, gid: int) -> list[int]:
         """The members of group ``gid`` that left a dump, in group order; costs
@@ -421,10 +435,17 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
     else:
         world = range(max(known_size, highest + 1))
     missing = RankSet.difference(world, digests)
-    # A world few enough ranks short is listed as before; beyond that, the
-    # default group's inferred members stay a range (docs/security.md).
+    # A world few enough ranks short is listed as before; beyond that, the ranks
+    # only the size claim implies are ranges, and the default group's inferred
+    # members stay a range (docs/security.md, "world size").
     listed = listable(len(missing), len(digests))
-    silent_ranks: list[int] = list(missing) if len(missing) <= _MAX_SILENT_CANDIDATES else []
+    unlisted = RankSet()
+    if not listed:
+        holes = missing.clip(range(highest + 1))
+        unlisted = missing.minus(holes) if listable(len(holes), len(digests)) else missing
+    named_missing = missing.minus(unlisted)
+    silent_ranks: list[int] = (list(named_missing)
+                               if len(named_missing) <= _MAX_SILENT_CANDIDATES else [])
 
     # Key groups by (name, members); unknown members are resolved below.
     known: dict[tuple[str, tuple[int, ...]], Group] = {}
@@ -519,6 +540,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         now_known=now_known,
         gpu_states=gpu_states,
         missing=missing,
+        unlisted=unlisted,
     )
 
 

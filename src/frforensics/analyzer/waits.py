@@ -331,6 +331,7 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
     waits: dict[int, Wait] = {}
     young: list[int] = []
     coll_cache: dict[tuple[int, int], tuple[dict[int, str], RankSet]] = {}
+    named_in: dict[int, list[int]] = {}  # per unlisted group: its named ranks without a dump
     for rank, d in sorted(job.digests.items()):
         blocked = job.blocked_row(rank)
         if blocked is None:
@@ -369,10 +370,15 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
                     else:
                         status[member] = job.entered(member, gid, seq, issued_ns=issued)
             else:
-                for member in job.dumped_members(gid):
-                    status[member] = job.entered(member, gid, seq, issued_ns=issued)
-                assert isinstance(group.ranks, range)  # only an implied world is unlisted
-                unlisted = RankSet.difference(group.ranks, job.digests)
+                members = group.ranks
+                assert isinstance(members, range)  # only an implied world is unlisted
+                named = named_in.get(gid)
+                if named is None:
+                    named = named_in[gid] = [m for m in job.named_missing if m in members]
+                for member in sorted([*job.dumped_members(gid), *named]):
+                    status[member] = ("no_dump" if member not in job.digests else
+                                      job.entered(member, gid, seq, issued_ns=issued))
+                unlisted = job.unlisted.clip(members)
             cached = coll_cache[(gid, seq)] = (status, unlisted)
         status, unlisted = cached
         if any(s == "completed" for s in status.values()):

@@ -48,9 +48,9 @@ def detect(ctx: Context) -> list[Finding]:
     findings: list[Finding] = []
     silent: list[int] = []
     listed = ctx.job.silent_listed
-    # Too many to list: only ranks that other evidence makes roots are named.
-    named = ctx.job.missing_dumps if listed else sorted(
-        r for r, root in ctx.graph.roots.items() if root.kind == "no_dump")
+    # Too many to list: the named ones, and those other evidence makes roots.
+    named = ctx.job.missing_dumps if listed else sorted({*ctx.job.named_missing, *(
+        r for r, root in ctx.graph.roots.items() if root.kind == "no_dump")})
     for rank in named:
         if rank in stale:
             continue  # dead_rank reports it
@@ -75,9 +75,6 @@ def detect(ctx: Context) -> list[Finding]:
             location=wait.location,
             evidence={"direct_waiters": sorted({w.rank for w in direct})},
         ))
-    if not listed:
-        findings.extend(_unlisted(ctx, {*named, *stale}))
-        return findings
     if silent:
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
@@ -87,6 +84,8 @@ def detect(ctx: Context) -> list[Finding]:
             culprit_ranks=(),
             evidence={"ranks": silent},
         ))
+    if not listed:
+        findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
 
 
@@ -94,7 +93,7 @@ def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
     """The ranks without a dump too many to name: one error finding for those
     that dumped ranks wait on, one warning for the rest; counts and ranges."""
     findings: list[Finding] = []
-    rest = ctx.job.missing_dumps.minus(named)
+    rest = ctx.job.unlisted.minus(named)
     block = ctx.graph.unlisted
     bound = max(LISTED_RANKS_FLOOR, len(ctx.job.digests))
     claim = (f"the world size {ctx.job.world_size} is only a claim the dumps do not bear "
