@@ -55,6 +55,22 @@ class RankSet(Sequence[int]):
         self._counts = list(itertools.accumulate(len(s) for s in merged))
 
     @classmethod
+    def of(cls, ranks: Iterable[int]) -> RankSet:
+        """The set of ``ranks`` (any order, repeats allowed)."""
+        spans: list[range] = []
+        start = prev = None
+        for r in sorted(set(ranks)):
+            if prev is not None and r == prev + 1:
+                prev = r
+                continue
+            if start is not None and prev is not None:
+                spans.append(range(start, prev + 1))
+            start = prev = r
+        if start is not None and prev is not None:
+            spans.append(range(start, prev + 1))
+        return cls(spans)
+
+    @classmethod
     def difference(cls, universe: range, remove: Collection[int]) -> RankSet:
         """The ranks of ``universe`` (step 1) not in ``remove``; costs O(len(remove) log)."""
         spans: list[range] = []

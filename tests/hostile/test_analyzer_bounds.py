@@ -26,14 +26,19 @@ GOOD = Path(__file__).resolve().parents[1] / "data" / "native" / "missing_rank" 
 RUNNER = Path(__file__).with_name("fork_runner.py")
 
 
-def _claiming(tmp_path: Path, name: str, world_size: int | None) -> Path:
-    """The four ``missing_rank`` dumps as frdumps that claim ``world_size``."""
+def _claiming(tmp_path: Path, name: str, world_size: int | None, *,
+              members: bool = False) -> Path:
+    """The four ``missing_rank`` dumps as frdumps that claim ``world_size``
+    (with ``members``, their default group also lists that many members)."""
     folder = tmp_path / name
     folder.mkdir()
     for f in sorted(GOOD.iterdir()):
         rank = int(f.name.rsplit("_", 1)[1])
         trace = decode_dump(f.read_bytes(), source=str(f), rank_hint=rank)
         trace = replace(trace, world_size=world_size)
+        if members and world_size:
+            trace = replace(trace, groups=tuple(replace(g, ranks=tuple(range(world_size)))
+                                                for g in trace.groups))
         (folder / f"frdump_rank_{rank}").write_bytes(frdump.encode(trace))
     return folder
 
@@ -113,3 +118,18 @@ def test_just_past_the_listing_bound_the_silent_ranks_become_one_finding() -> No
     assert [(f.severity.value, f.culprit_ranks) for f in silent] == [("error", ())]
     assert silent[0].evidence["silent_ranges"] == [[4, size - 1]]
     assert f"4-{size - 1}" in silent[0].message
+
+
+def test_default_group_listing_2_20_members_is_held_as_ranges(tmp_path: Path) -> None:
+    # frdump writes an arithmetic member list as three numbers: a 4 KB dump can
+    # list 2^20 members, and the analyzer must not name each one
+    folder = _claiming(tmp_path, "listed", DEFAULT_LIMITS.max_rank, members=True)
+    assert max(f.stat().st_size for f in folder.iterdir()) < 16_384
+    run = _run_capped(tmp_path, {"listed": [str(folder), "--format", "json"]})["listed"]
+    assert run["exit"] == 1, (run["exit"], run["stderr"][-500:])
+    doc = json.loads(run["stdout"])
+    assert doc["culprit_ranks"] == [2]
+    assert doc["ranks_missing_count"] == DEFAULT_LIMITS.max_rank - 4
+    silent = [f for f in doc["findings"] if f["kind"] == "missing_dump"]
+    assert [(f["severity"], f["culprit_ranks"]) for f in silent] == [("error", [])]
+    assert silent[0]["pg"]["ranks_ranges"] == [[0, DEFAULT_LIMITS.max_rank - 1]]

@@ -25,6 +25,8 @@ def test_rank_set_is_the_sorted_set_it_stands_for(a: set[int], b: set[int]) -> N
     assert list(s.minus(_of(b))) == sorted(a - b)
     assert list(s.minus(b)) == sorted(a - b)
     assert s == RankSet(reversed(s.spans))
+    assert RankSet.of([*a, *a]) == s
+    assert list(s.clip(range(10, 50))) == sorted(r for r in a if 10 <= r < 50)
 
 
 @given(rank_sets, st.integers(min_value=0, max_value=10), st.integers(min_value=0, max_value=90))

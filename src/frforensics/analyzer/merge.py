@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import RankDigest, str_hash
 from frforensics.model import GroupInfo, OpState
-from frforensics.rankset import RankSet, listable
+from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet, listable
 from frforensics.report import GroupRef, format_ranks
 
 __all__ = ["Group", "JobModel", "build_job"]
@@ -64,14 +64,18 @@ class Group:
     ranks: Sequence[int]
     ranks_known: bool
     local: dict[int, int] = field(default_factory=dict)  # rank -> index in its digest
+    #: False when the members are too many to list in a job whose world is a claim
+    #: the dumps do not bear out (``JobModel.unlisted``): reports give counts and ranges
+    listed: bool = True
+    _ref: GroupRef | None = None
 
     def ref(self) -> GroupRef:
-        return GroupRef(self.name, self.desc, self.ranks, listed=self.listed)
-
-    @property
-    def listed(self) -> bool:
-        """False when the members are a claimed world too large to list per rank."""
-        return not isinstance(self.ranks, range)
+        if self._ref is None:
+            ranks = self.ranks
+            if not self.listed and not isinstance(ranks, range):
+                ranks = RankSet.of(ranks)  # rendered from spans, never per rank
+            self._ref = GroupRef(self.name, self.desc, ranks, listed=self.listed)
+        return self._ref
 
     @property
     def is_default(self) -> bool:
@@ -109,6 +113,7 @@ class JobModel:
     _blocked: dict[int, int | None] = field(default_factory=dict)
     _dumped: dict[int, list[int]] = field(default_factory=dict)
     _named: RankSet | None = None
+    _split: dict[int, tuple[list[int], RankSet]] = field(default_factory=dict)
 
     @property
     def missing_dumps(self) -> RankSet:
@@ -127,6 +132,27 @@ class JobModel:
         if self._named is None:
             self._named = self.missing.minus(self.unlisted) if self.unlisted else self.missing
         return self._named
+
+    def member_split(self, gid: int) -> tuple[list[int], RankSet]:
+        """Group ``gid``'s members outside ``unlisted`` (in group order) and those in it.
+
+        A ``range`` costs the dumps and the named ranks without one; a listed
+        group costs its members once.
+        """
+        cached = self._split.get(gid)
+        if cached is not None:
+            return cached
+        ranks = self.groups[gid].ranks
+        if isinstance(ranks, range) and ranks.step == 1:
+            kept = sorted([*self.dumped_members(gid),
+                           *(m for m in self.named_missing if m in ranks)])
+            block = self.unlisted.clip(ranks)
+        else:
+            kept = [m for m in ranks if m not in self.unlisted]
+            block = RankSet.of(m for m in ranks if m in self.unlisted) if self.unlisted \
+                else RankSet()
+        self._split[gid] = (kept, block)
+        return kept, block
 
     def dumped_members(self, gid: int) -> list[int]:
         """The members of group ``gid`` that left a dump, in group order; costs
@@ -414,6 +440,34 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int
     return None
 
 
+def _named_silent(digests: dict[int, RankDigest], missing: RankSet,
+                  highest: int) -> RankSet:
+    """The ranks without a dump to name one by one when not all of them can be.
+
+    Evidence beyond the size claim: the holes below the highest rank with a dump
+    (its dump proves they existed) and the members of groups the dumps list,
+    both while listable (``rankset.listable``); failing that the holes alone;
+    failing that none.
+    """
+    bound = max(LISTED_RANKS_FLOOR, len(digests))
+    holes = missing.clip(range(highest + 1))
+    if len(holes) > bound:
+        return RankSet()
+    named = set(holes)
+    seen: set[int] = set()
+    for d in digests.values():
+        for info in d.groups:
+            if info.ranks is None or id(info.ranks) in seen:
+                continue
+            seen.add(id(info.ranks))
+            if len(info.ranks) > bound:
+                return RankSet.of(named) if len(named) <= bound else holes
+            named.update(r for r in info.ranks if r in missing)
+            if len(named) > bound:
+                return holes
+    return RankSet.of(named)
+
+
 def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) -> JobModel:
     """Merge ``digests`` into a :class:`JobModel`."""
     notes: list[str] = []
@@ -441,8 +495,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
     listed = listable(len(missing), len(digests))
     unlisted = RankSet()
     if not listed:
-        holes = missing.clip(range(highest + 1))
-        unlisted = missing.minus(holes) if listable(len(holes), len(digests)) else missing
+        unlisted = missing.minus(_named_silent(digests, missing, highest))
     named_missing = missing.minus(unlisted)
     silent_ranks: list[int] = (list(named_missing)
                                if len(named_missing) <= _MAX_SILENT_CANDIDATES else [])
@@ -517,6 +570,9 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             f"{', '.join(sorted(inferred)[:8])}: inferred from which ranks' dumps name them"
         )
     groups.sort(key=lambda g: (not g.is_default, g.name, _members_key(g.ranks)))
+    if unlisted:
+        for grp in groups:
+            grp.listed = listable(len(grp.ranks), len(digests))
     group_of: dict[tuple[int, int], int] = {}
     for gid, group in enumerate(groups):
         group.gid = gid

@@ -37,6 +37,7 @@ at ``WaitGraph.unlisted`` — a root standing for all of them, never a rank.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -331,7 +332,6 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
     waits: dict[int, Wait] = {}
     young: list[int] = []
     coll_cache: dict[tuple[int, int], tuple[dict[int, str], RankSet]] = {}
-    named_in: dict[int, list[int]] = {}  # per unlisted group: its named ranks without a dump
     for rank, d in sorted(job.digests.items()):
         blocked = job.blocked_row(rank)
         if blocked is None:
@@ -362,23 +362,14 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
             status: dict[int, str] = {}
             unlisted = EMPTY
             issued = int(d.t_enqueue_ns[row])
-            group = job.groups[gid]
-            if group.listed:
-                for member in group.ranks:
-                    if member not in job.digests:
-                        status[member] = "no_dump"
-                    else:
-                        status[member] = job.entered(member, gid, seq, issued_ns=issued)
-            else:
-                members = group.ranks
-                assert isinstance(members, range)  # only an implied world is unlisted
-                named = named_in.get(gid)
-                if named is None:
-                    named = named_in[gid] = [m for m in job.named_missing if m in members]
-                for member in sorted([*job.dumped_members(gid), *named]):
-                    status[member] = ("no_dump" if member not in job.digests else
-                                      job.entered(member, gid, seq, issued_ns=issued))
-                unlisted = job.unlisted.clip(members)
+            members: Sequence[int] = job.groups[gid].ranks
+            if job.unlisted:  # a claimed world: its unlisted ranks are one block
+                members, unlisted = job.member_split(gid)
+            for member in members:
+                if member not in job.digests:
+                    status[member] = "no_dump"
+                else:
+                    status[member] = job.entered(member, gid, seq, issued_ns=issued)
             cached = coll_cache[(gid, seq)] = (status, unlisted)
         status, unlisted = cached
         if any(s == "completed" for s in status.values()):
