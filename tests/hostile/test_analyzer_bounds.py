@@ -17,6 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
 from frforensics.formats import decode_dump, frdump
 from frforensics.formats.limits import DEFAULT_LIMITS
@@ -27,17 +29,17 @@ RUNNER = Path(__file__).with_name("fork_runner.py")
 
 
 def _claiming(tmp_path: Path, name: str, world_size: int | None, *,
-              members: bool = False) -> Path:
+              members: int = 0, desc: str = "default_pg") -> Path:
     """The four ``missing_rank`` dumps as frdumps that claim ``world_size``
-    (with ``members``, their default group also lists that many members)."""
+    (with ``members``, their group lists that many members, described ``desc``)."""
     folder = tmp_path / name
     folder.mkdir()
     for f in sorted(GOOD.iterdir()):
         rank = int(f.name.rsplit("_", 1)[1])
         trace = decode_dump(f.read_bytes(), source=str(f), rank_hint=rank)
         trace = replace(trace, world_size=world_size)
-        if members and world_size:
-            trace = replace(trace, groups=tuple(replace(g, ranks=tuple(range(world_size)))
+        if members:
+            trace = replace(trace, groups=tuple(replace(g, desc=desc, ranks=tuple(range(members)))
                                                 for g in trace.groups))
         (folder / f"frdump_rank_{rank}").write_bytes(frdump.encode(trace))
     return folder
@@ -120,16 +122,24 @@ def test_just_past_the_listing_bound_the_silent_ranks_become_one_finding() -> No
     assert f"4-{size - 1}" in silent[0].message
 
 
-def test_default_group_listing_2_20_members_is_held_as_ranges(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("desc", "world_size"), [("default_pg", DEFAULT_LIMITS.max_rank),
+                                                   ("tp", 4)])
+def test_group_listing_2_20_members_is_held_as_ranges(desc: str, world_size: int,
+                                                     tmp_path: Path) -> None:
     # frdump writes an arithmetic member list as three numbers: a 4 KB dump can
-    # list 2^20 members, and the analyzer must not name each one
-    folder = _claiming(tmp_path, "listed", DEFAULT_LIMITS.max_rank, members=True)
+    # list 2^20 members — as the world, or beyond a world of 4 — and the
+    # analyzer must not name each one
+    folder = _claiming(tmp_path, "listed", world_size, members=DEFAULT_LIMITS.max_rank, desc=desc)
     assert max(f.stat().st_size for f in folder.iterdir()) < 16_384
     run = _run_capped(tmp_path, {"listed": [str(folder), "--format", "json"]})["listed"]
     assert run["exit"] == 1, (run["exit"], run["stderr"][-500:])
     doc = json.loads(run["stdout"])
     assert doc["culprit_ranks"] == [2]
-    assert doc["ranks_missing_count"] == DEFAULT_LIMITS.max_rank - 4
+    if world_size == 4:
+        assert doc["ranks_missing"] == []
+    else:
+        assert doc["ranks_missing_count"] == DEFAULT_LIMITS.max_rank - 4
     silent = [f for f in doc["findings"] if f["kind"] == "missing_dump"]
     assert [(f["severity"], f["culprit_ranks"]) for f in silent] == [("error", [])]
     assert silent[0]["pg"]["ranks_ranges"] == [[0, DEFAULT_LIMITS.max_rank - 1]]
+    assert silent[0]["evidence"]["silent_count"] == DEFAULT_LIMITS.max_rank - 4

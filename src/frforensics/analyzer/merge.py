@@ -134,25 +134,31 @@ class JobModel:
         return self._named
 
     def member_split(self, gid: int) -> tuple[list[int], RankSet]:
-        """Group ``gid``'s members outside ``unlisted`` (in group order) and those in it.
+        """Group ``gid``'s members to judge one by one (with a dump, or named
+        without one: ``named_missing``), in group order, and the rest as a block.
 
-        A ``range`` costs the dumps and the named ranks without one; a listed
-        group costs its members once.
+        A ``range`` costs the dumps and the named ranks without one; a tuple
+        costs its members once.
         """
         cached = self._split.get(gid)
         if cached is not None:
             return cached
         ranks = self.groups[gid].ranks
+        named = self.named_missing
         if isinstance(ranks, range) and ranks.step == 1:
-            kept = sorted([*self.dumped_members(gid),
-                           *(m for m in self.named_missing if m in ranks)])
-            block = self.unlisted.clip(ranks)
+            kept = sorted([*self.dumped_members(gid), *(m for m in named if m in ranks)])
+            block = RankSet.difference(ranks, kept)
         else:
-            kept = [m for m in ranks if m not in self.unlisted]
-            block = RankSet.of(m for m in ranks if m in self.unlisted) if self.unlisted \
-                else RankSet()
+            kept = [m for m in ranks if m in self.digests or m in named]
+            block = RankSet.of(m for m in ranks if m not in self.digests and m not in named)
         self._split[gid] = (kept, block)
         return kept, block
+
+    def judged_one_by_one(self, gid: int) -> bool:
+        """False when group ``gid``'s members without a dump are too many to
+        name: a claimed world (``unlisted``), or a group listing more ranks than
+        the world holds and than can be listed."""
+        return not self.unlisted and self.groups[gid].listed
 
     def dumped_members(self, gid: int) -> list[int]:
         """The members of group ``gid`` that left a dump, in group order; costs
@@ -570,9 +576,11 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             f"{', '.join(sorted(inferred)[:8])}: inferred from which ranks' dumps name them"
         )
     groups.sort(key=lambda g: (not g.is_default, g.name, _members_key(g.ranks)))
-    if unlisted:
-        for grp in groups:
-            grp.listed = listable(len(grp.ranks), len(digests))
+    # Listed as before: every group of a listable world no larger than the world;
+    # beyond either, only groups within the listing bound.
+    for grp in groups:
+        grp.listed = listable(len(grp.ranks), len(digests)) or (
+            not unlisted and len(grp.ranks) <= len(world))
     group_of: dict[tuple[int, int], int] = {}
     for gid, group in enumerate(groups):
         group.gid = gid

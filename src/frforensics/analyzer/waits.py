@@ -363,7 +363,7 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
             unlisted = EMPTY
             issued = int(d.t_enqueue_ns[row])
             members: Sequence[int] = job.groups[gid].ranks
-            if job.unlisted:  # a claimed world: its unlisted ranks are one block
+            if not job.judged_one_by_one(gid):  # too many without a dump: one block
                 members, unlisted = job.member_split(gid)
             for member in members:
                 if member not in job.digests:

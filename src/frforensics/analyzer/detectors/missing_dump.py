@@ -84,7 +84,7 @@ def detect(ctx: Context) -> list[Finding]:
             culprit_ranks=(),
             evidence={"ranks": silent},
         ))
-    if not listed:
+    if not listed or ctx.graph.unlisted is not None:
         findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
 
@@ -102,6 +102,9 @@ def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
     waited = RankSet()
     if block is not None:
         waited = ctx.graph.unlisted_ranks.minus(named)
+        if waited and waited[-1] >= len(ctx.job.world):
+            claim = (f"a group lists ranks beyond the world of {len(ctx.job.world)}: the "
+                     "dumps disagree with each other, or one is damaged")
         wait, direct = primary_wait(block)
         if wait is not None and waited:
             findings.append(Finding(
