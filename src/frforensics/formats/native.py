@@ -551,16 +551,22 @@ def _durations(entries: list[dict[str, Any]]) -> np.ndarray:
     makes a dump unreadable. Milliseconds become ns as ``floor(ms * 1e6 + 0.5)``
     in float64, as the C scanner does, so both give the same integers.
     """
-    raw = list(map(dict.get, entries, repeat("duration_ms")))
+    raw: list[Any] = list(map(dict.get, entries, repeat("duration_ms")))
     out = np.full(len(raw), NO_INDEX, dtype=np.int64)
-    rows = [i for i, v in enumerate(raw) if type(v) in _NUMBER_TYPES] if raw else []
-    if not rows:
+    types = set(map(type, raw))
+    if types <= {type(None)}:  # timing off (the default): no entry has one
         return out
-    values = np.array([float(raw[i]) if -1e300 < raw[i] < 1e300 else math.nan for i in rows],
-                      dtype=np.float64)
+    if types <= {float, type(None)}:  # the usual case, at C speed (None -> NaN)
+        values = np.array(raw, dtype=np.float64)
+        rows = np.arange(len(raw), dtype=np.intp)
+    else:
+        picked = [i for i, v in enumerate(raw) if type(v) in _NUMBER_TYPES]
+        # a huge int would overflow float(): past the range it is no duration anyway
+        values = np.array([float(raw[i]) if -1e300 < raw[i] < 1e300 else math.nan
+                           for i in picked], dtype=np.float64)
+        rows = np.asarray(picked, dtype=np.intp)
     ok = (values >= 0) & (values < _MAX_DURATION_MS)  # NaN compares False
-    ns = np.floor(values[ok] * 1e6 + 0.5)
-    out[np.asarray(rows, dtype=np.intp)[ok]] = ns.astype(np.int64)
+    out[rows[ok]] = np.floor(values[ok] * 1e6 + 0.5).astype(np.int64)
     return out
 
 
