@@ -20,6 +20,15 @@ rank blamed in at least 3 collectives, at least 5 % of its own, and far more
 often than the typical rank, is a straggler. Severity warning (status
 ``degraded`` when alone): nothing hangs, the job is slow.
 
+NCCL dumps with GPU durations (PyTorch's ``duration_ms``, timing on) give both
+measures without any clock (:func:`_duration_lateness`): ``A = median(duration)
+- duration``, since a member's duration runs from when its GPU reached the op;
+and, as members were released together by the group's previous collective, a
+member's think time since then is the common time minus its durations since
+(``B``) and now: ``E = median(B + duration) - (B + duration)``. A rank that waited
+elsewhere has a long ``B`` and ``E`` about 0. Threshold: max(1 ms, 8 robust
+standard deviations of ``E``).
+
 Dumps without completion times (PyTorch's gloo recorder) fall back to enqueue
 times — never NCCL dumps, whose CPU runs ahead of the GPU (an enqueue time is
 not an arrival there): per-rank clock offsets are estimated as each rank's median arrival
