@@ -202,6 +202,8 @@ class _Rows:
     #: (NaN: unknown); see :func:`_duration_lateness`
     dur: F8 | None = None
     between: F8 | None = None
+    #: how many ops (units) that sum covers
+    n_between: F8 | None = None
 
     @property
     def n_seg(self) -> int:
@@ -314,14 +316,15 @@ class _Gathered:
         self.hi = dict(zip(present.tolist(), hi[present].tolist(), strict=True))
 
         rows, at_r = rows[first], at_r[first]
-        dur, between = _durations_between(digests, sizes, rows, at_r, gid_r[first], key[first])
+        dur, between, n_between = _durations_between(digests, sizes, rows, at_r, gid_r[first],
+                                                     key[first])
         per_rank = np.bincount(at_r, minlength=len(ranks))
         self.at_list: list[int] = np.flatnonzero(per_rank).tolist()
         self.lengths: list[int] = per_rank[self.at_list].tolist()
         self.cat = {
             "key": key[first], "enq": t_enqueue[rows].astype(np.float64), "comp": comp[rows],
             "rel": rel[rows], "op": cat("op_hash")[rows], "gid": gid_r[first].astype(np.int32),
-            "col": col[first], "dur": dur, "between": between,
+            "col": col[first], "dur": dur, "between": between, "n_between": n_between,
         }
         self.op_names: dict[int, str] = {}
         for a in self.at_list:
@@ -329,9 +332,9 @@ class _Gathered:
 
 
 def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, gid: I8,
-                       key: I8) -> tuple[F8, F8]:
-    """GPU duration of each gathered row, and what its rank spent in its own ops since
-    its previous collective of the same group (NaN where unknown).
+                       key: I8) -> tuple[F8, F8, F8]:
+    """GPU duration of each gathered row, what its rank spent in its own ops since
+    its previous collective of the same group, and how many ops (NaN where unknown).
 
     ``rows`` index the concatenated windows (rank after rank, record order), one per
     (rank, collective), the first entry of its unit. A unit's duration (a coalesced
@@ -342,7 +345,7 @@ def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, g
     """
     if all(d.duration_ns is None for d in digests):  # no timing (gloo, NCCL by default)
         nothing = np.full(len(rows), np.nan)
-        return nothing, nothing.copy()
+        return nothing, nothing.copy(), nothing.copy()
     n_rows = int(sizes.sum())
     dur_all = np.full(n_rows, -1, dtype=np.int64)
     first_of_unit = np.ones(n_rows, dtype=np.bool_)
@@ -361,6 +364,8 @@ def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, g
     unknown = (first_of_unit & ~known).astype(np.int64)
     s_incl, u_incl = np.cumsum(contrib), np.cumsum(unknown)
     s_excl, u_excl = s_incl - contrib, u_incl - unknown
+    c_incl = np.cumsum(first_of_unit, dtype=np.int64)
+    c_excl: I8 = c_incl - first_of_unit
     dur = np.where(known[rows], dur_all[rows], -1).astype(np.float64)
     dur[dur < 0] = np.nan
     # previous row of the same (rank, group): rows are in rank order, record order within
@@ -374,7 +379,9 @@ def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, g
     between = np.full(len(rows), np.nan)
     clean = ok & (u_excl[rows] - u_incl[p] == 0) if len(rows) else ok
     between[clean] = s_excl[rows[clean]] - s_incl[p[clean]]
-    return dur, between
+    n_between = np.full(len(rows), np.nan)
+    n_between[clean] = c_excl[rows[clean]] - c_incl[p[clean]]
+    return dur, between, n_between
 
 
 def _release(at: I8, t_complete: I8, done: BOOL, comp: F8, sizes: I8) -> F8:
@@ -479,7 +486,7 @@ def _collect(ctx: Context) -> _Rows | None:
         key_all=key, keep=keep, starts=np.concatenate(([0], np.cumsum(n_rows)[:-1])),
         op=cat["op"][keep], seg_size=seg_size,
         by_seg=by_seg, op_names=op_names, resolution_ns=resolution,
-        dur=cat["dur"][keep], between=cat["between"][keep],
+        dur=cat["dur"][keep], between=cat["between"][keep], n_between=cat["n_between"][keep],
     )
 
 
@@ -684,15 +691,24 @@ def _duration_lateness(t: _Rows) -> tuple[F8, F8]:
     other groups) and the rest of the time, the same for all, computing. So
     ``V = B + duration`` is that common time minus the member's think time, and
     ``E = median(V) - V`` its think time beyond the median member's (upper
-    median of ``V``: the member that thought least). NaN where unknown.
+    median of ``V``: the member that thought least). That holds when members do
+    the same work between two collectives of the group (TP, DP groups): ``E`` is
+    only judged where every member ran as many ops since the previous one (a
+    group spanning pipeline stages, whose programs differ, mostly is not). NaN
+    where unknown.
     """
-    assert t.dur is not None and t.between is not None
+    assert t.dur is not None and t.between is not None and t.n_between is not None
     known = np.bincount(t.seg, weights=(~np.isnan(t.dur)).astype(np.float64), minlength=t.n_seg)
     dur = np.where((known == t.seg_size)[t.seg], t.dur, np.nan)
     lateness = t.by_seg.median(dur, upper=True)[t.seg] - dur
     v = dur + t.between
     valid = np.bincount(t.seg, weights=(~np.isnan(v)).astype(np.float64), minlength=t.n_seg)
-    v = np.where((valid == t.seg_size)[t.seg], v, np.nan)
+    lo = np.full(t.n_seg, np.inf)
+    hi = np.full(t.n_seg, -np.inf)
+    counted = np.nan_to_num(t.n_between, nan=-1.0)  # unknown: ``valid`` fails anyway
+    np.minimum.at(lo, t.seg, counted)
+    np.maximum.at(hi, t.seg, counted)
+    v = np.where(((valid == t.seg_size) & (lo == hi))[t.seg], v, np.nan)
     return lateness, t.by_seg.median(v, upper=True)[t.seg] - v
 
 
