@@ -1164,6 +1164,8 @@ def pickle_to_trace(
                                 limits.max_string_chars) if scanner_available() else None)
     if isinstance(scanned, str):
         raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
+    if scanned is not None and "duration" not in scanned:
+        scanned = None  # a scanner compiled before duration_ms was read: the Python reader
     if scanned is None:
         doc = decode_pickle(data, source=source)
         return to_trace(doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank,
