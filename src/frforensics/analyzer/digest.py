@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Final, NamedTuple
 
 import numpy as np
@@ -41,7 +41,8 @@ from frforensics.model import (
     ThreadStack,
 )
 
-__all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame"]
+__all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame",
+           "windowed"]
 
 DEFAULT_TAIL: Final = 32
 
@@ -180,6 +181,9 @@ class RankDigest:
     #: CUDA event, timing on; a coalesced member takes its closing entry's), -1
     #: where unknown; ``None``: no entry has one
     duration_ns: I8 | None = None
+    #: the window starts at a whole unit: the rows were cut by ``windowed``, which
+    #: never splits a coalesced block (a ring's own eviction may)
+    whole_oldest: bool = False
     # physical identity (model.RankTrace); None where unknown
     local_rank: int | None = None
     cuda_device: int | None = None
@@ -344,8 +348,14 @@ def _details(trace: RankTrace, rows: list[int], state: U1, is_p2p: U1,
     }
 
 
-def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDigest:
-    """Reduce ``trace`` to its :class:`RankDigest` (``rank`` already resolved)."""
+def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
+           window: int | None = None) -> RankDigest:
+    """Reduce ``trace`` to its :class:`RankDigest` (``rank`` already resolved).
+
+    ``window``: keep the columns of only the newest ``window`` entries (and every
+    entry from the earliest unfinished one on), as if the ring held that many
+    (:func:`windowed`); ``None`` keeps the whole ring.
+    """
     e = trace.entries
     n = len(e)
     hashes = np.fromiter((str_hash(x) for x in trace.strings), dtype=np.uint32,
@@ -370,16 +380,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
 
     # a call site is the whole stack (two call paths may share their user frame);
     # reports show its user frame
-    # (a frame object is shared by the stacks that hold it: its text once)
-    texts: dict[int, str] = {}
-
-    def frame_text(frame: Frame) -> str:
-        t = texts.get(id(frame))
-        if t is None:
-            t = texts[id(frame)] = str(frame)
-        return t
-
-    stack_ids = [str_hash("|".join(map(frame_text, frames))) for frames in trace.stacks]
+    stack_ids = [str_hash("|".join(map(str, frames))) for frames in trace.stacks]
     site_lookup = np.append(np.asarray(stack_ids, dtype=np.uint32), np.uint32(0))
     sites: dict[int, str] = {}
     for sid, frames in zip(stack_ids, trace.stacks, strict=True):
@@ -404,7 +405,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(state != OpState.COMPLETED).tolist())
     details = _details(trace, sorted(keep), state, is_p2p, seq)
-    return RankDigest(
+    out = RankDigest(
         rank=rank,
         rank_from=trace.rank_from,
         source=trace.source,
@@ -451,3 +452,47 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         gpu_uuid=trace.gpu_uuid,
         pci_bus_id=trace.pci_bus_id,
     )
+    return out if window is None else windowed(out, window, e.record_id)
+
+
+def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDigest:
+    """``d`` cut to its newest ``window`` entries, as a ring of that size would hold.
+
+    The cut never drops an unfinished entry (it starts at the earliest one when
+    that is older) nor splits a coalesced block (members stay with their closing
+    entry). What is cut counts as evicted (``dropped``, ``first_record_id``), so
+    the analyzer treats the rank as it treats a ring that overflowed: the oldest
+    kept seq of each group is not compared. Every per-entry numpy column is cut,
+    details of cut rows dropped and rows renumbered.
+    """
+    n = len(d)
+    if window < 1 or n <= window:
+        return d
+    start = n - window
+    unfinished = np.flatnonzero(d.state != OpState.COMPLETED)
+    if len(unfinished):
+        start = min(start, int(unfinished[0]))
+    if d.unit is not None:
+        # a member before the cut whose closing row is kept moves the cut back
+        rows = np.arange(start, dtype=np.int64)
+        split = np.flatnonzero(d.unit[:start] >= start)
+        if len(split):
+            start = int(rows[split[0]])
+    if start <= 0:
+        return d
+    cut: dict[str, object] = {}
+    for f in fields(d):
+        value = getattr(d, f.name)
+        if isinstance(value, np.ndarray) and value.shape == (n,):
+            cut[f.name] = np.ascontiguousarray(value[start:])
+    if d.unit is not None:
+        cut["unit"] = np.ascontiguousarray(d.unit[start:] - start)
+    cut["details"] = {row - start: det._replace(row=row - start)
+                      for row, det in d.details.items() if row >= start}
+    first = (int(record_id[start]) if record_id is not None and len(record_id) == n
+             else d.first_record_id + start)
+    return replace(d, dropped=d.dropped + start, first_record_id=first, whole_oldest=True,
+                   notes=(*d.notes, f"ring cut to its newest {window} entries (--window {window}; "
+                          "from the earliest unfinished one if older): older entries "
+                          "count as evicted"),
+                   **cut)  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         return None
     d = job.digests[rank]
     rows = view.coll_rows
-    if job.window_evicted(rank) and view.max_seq > view.min_seq:
+    if job.window_evicted(rank) and not d.whole_oldest and view.max_seq > view.min_seq:
         rows = rows[d.seq[rows] != view.min_seq]  # possibly a block cut in two
     seq = d.seq[rows]
     op = d.op_hash[rows].astype(np.int64)

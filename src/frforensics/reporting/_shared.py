@@ -4,6 +4,7 @@ and ranks grouped by state (ranges, so 10,000 ranks stay a few rows)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from frforensics.report import Finding, Report, Severity, Status, code_sides, format_ranks
@@ -103,3 +104,26 @@ STATUS_WORD = {
     Status.DESYNC: "DESYNC",
     Status.UNREADABLE: "UNREADABLE",
 }
+
+
+#: ranks a drawn timeline (HTML) shows at most
+TIMELINE_RANKS = 32
+
+
+def timeline_ranks(report: Report, available: Collection[int], limit: int) -> list[int]:
+    """The ranks a drawn timeline shows: culprits first, then a few ranks of each
+    state, filled up in rank order; at most ``limit``, all from ``available``."""
+    chosen: list[int] = [r for r in report.culprit_ranks if r in available][:limit // 2]
+    states = rank_states(report)
+    per_state = max(1, (limit - len(chosen)) // max(1, len(states)))
+    for st in states:
+        for r in st.ranks[:per_state]:
+            if r in available and r not in chosen and len(chosen) < limit:
+                chosen.append(r)
+    for r in sorted(available):  # fill up, small jobs show every rank
+        if len(chosen) >= limit:
+            break
+        if r not in chosen:
+            chosen.append(r)
+    chosen.sort(key=lambda r: (r not in report.culprit_ranks, r))
+    return chosen
