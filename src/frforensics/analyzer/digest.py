@@ -177,6 +177,10 @@ class RankDigest:
     gpu_states: bool = False
     #: ops the dump does not record (gloo's send/recv, from ``pg_status``)
     unrecorded_ops: int = 0
+    #: GPU time of each entry's unit in ns (PyTorch's ``duration_ms``: start to end
+    #: CUDA event, timing on; a coalesced member takes its closing entry's), -1
+    #: where unknown; ``None``: no entry has one
+    duration_ns: I8 | None = None
     #: the window starts at a whole unit: the rows were cut by ``windowed``, which
     #: never splits a coalesced block (a ring's own eviction may)
     whole_oldest: bool = False
@@ -395,6 +399,9 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
     # NCCL stamps states from CUDA events at dump time; gloo only retires
     gpu_states = bool(any(g.backend == "nccl" for g in trace.groups)
                       or (e.state == OpState.STARTED).any() or (e.t_start_ns > 0).any())
+    duration: I8 | None = None
+    if n and int(e.duration_ns.max()) >= 0:
+        duration = np.ascontiguousarray(e.duration_ns if unit is None else e.duration_ns[unit])
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(state != OpState.COMPLETED).tolist())
     details = _details(trace, sorted(keep), state, is_p2p, seq)
@@ -439,6 +446,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         unit=unit,
         gpu_states=gpu_states,
         unrecorded_ops=trace.unrecorded_ops,
+        duration_ns=duration,
         local_rank=trace.local_rank,
         cuda_device=trace.cuda_device,
         gpu_uuid=trace.gpu_uuid,

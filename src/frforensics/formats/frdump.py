@@ -401,6 +401,7 @@ def _check_columns(entries: EntryTable, source: str, limits: Limits) -> None:
     for name in ("t_enqueue_ns", "t_start_ns", "t_complete_ns", "timeout_ms", "in_numel",
                  "out_numel"):
         within(name, 0, 1 << 62)
+    within("duration_ns", NO_INDEX, 1 << 62)  # NO_INDEX: unknown (files before it: absent)
 
 
 def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> RankTrace:
