@@ -3,8 +3,9 @@
 Rule: every rank of the job (``0 .. world_size-1``; the world size from the
 dumps, ``--world-size``, or the highest rank seen) should have a dump. A rank
 without one that others wait on is an error (status hang, culprit that rank):
-it is the end of their wait chains and nothing more is known of it. One nobody
-waits on is a warning (status degraded): the analysis is merely incomplete.
+it is the end of their wait chains and nothing more is known of it; the ranks
+waited on in the same op are one finding with all of them as culprits. One
+nobody waits on is a warning (status degraded): the analysis is merely incomplete.
 A rank whose peers saw its heartbeat stop is reported as ``dead_rank`` instead.
 
 Worked example (4 ranks, rank 3's node rebooted, no dump)::
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors._roots import primary_wait, since
+from frforensics.analyzer.waits import Wait
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
 from frforensics.report import Finding, FindingKind, Severity, format_ranks
 
@@ -51,6 +53,9 @@ def detect(ctx: Context) -> list[Finding]:
     # Too many to list: the named ones, and those other evidence makes roots.
     named = ctx.job.missing_dumps if listed else sorted({*ctx.job.named_missing, *(
         r for r, root in ctx.graph.roots.items() if root.kind == "no_dump")})
+    # Ranks waited on in the same op are one finding (4 dumps of a 4096-rank job
+    # made 4092 findings, each listing the default group's 4096 members)
+    by_wait: dict[tuple[int, int, str, str], list[tuple[int, Wait, list[Wait], set[int]]]] = {}
     for rank in named:
         if rank in stale:
             continue  # dead_rank reports it
@@ -59,20 +64,32 @@ def detect(ctx: Context) -> list[Finding]:
         if root is None or wait is None:
             silent.append(rank)
             continue
-        waiters = sorted(root.waiters)
+        key = (wait.gid, wait.seq, wait.seq_kind, wait.op)
+        by_wait.setdefault(key, []).append((rank, wait, direct, set(root.waiters)))
+    for members in by_wait.values():
+        ranks = [m[0] for m in members]
+        first = members[0][1]
+        direct = [w for m in members for w in m[2]]
+        waiters = sorted(set().union(*(m[3] for m in members)))
+        waiting = ctx.ranks({w.rank for w in direct})
+        where = f"{ctx.describe(first)}{since(direct)}"
+        message = (f"rank {ranks[0]} left no dump, and ranks {waiting} wait for it in {where}: "
+                   "it likely crashed, was killed, or its host died; check that host's logs"
+                   if len(ranks) == 1 else
+                   f"ranks {ctx.ranks(ranks)} left no dump, and ranks {waiting} wait for them "
+                   f"in {where}: they likely crashed, were killed, or their hosts died; check "
+                   "those hosts' logs")
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
             severity=Severity.ERROR,
-            message=(f"rank {rank} left no dump, and ranks {ctx.ranks({w.rank for w in direct})} "
-                     f"wait for it in {ctx.describe(wait)}{since(direct)}: it likely crashed, "
-                     "was killed, or its host died; check that host's logs"),
-            culprit_ranks=(rank,),
+            message=message,
+            culprit_ranks=tuple(ranks),
             waiting_ranks=tuple(waiters),
-            pg=ctx.pg(wait.gid),
-            seq=wait.seq,
-            seq_kind=wait.seq_kind,
-            op=wait.op,
-            location=wait.location,
+            pg=ctx.pg(first.gid),
+            seq=first.seq,
+            seq_kind=first.seq_kind,
+            op=first.op,
+            location=first.location,
             evidence={"direct_waiters": sorted({w.rank for w in direct})},
         ))
     if silent:
