@@ -7,7 +7,8 @@ whose members disagree on op, dtype or size is a mismatch. Only the *first*
 mismatched seq of a group is kept per field: after one rank desyncs, every later
 seq compares different calls. A ring that evicted entries may have cut its
 oldest coalesced block in two, so a rank's oldest seq in such a window is not
-compared.
+compared when it may be a block (``_maybe_cut``); a single plain collective
+there (one entry per seq: nothing to cut) is.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from frforensics.analyzer.digest import CLOSING_OPS
 from frforensics.analyzer.merge import JobModel
 
 Field = Literal["op", "dtype", "size"]
@@ -43,8 +45,10 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         return None
     d = job.digests[rank]
     rows = view.coll_rows
-    if job.window_evicted(rank) and view.max_seq > view.min_seq:
-        rows = rows[d.seq[rows] != view.min_seq]  # possibly a block cut in two
+    if job.window_evicted(rank) and _maybe_cut(job, rank, rows, view.min_seq):
+        rows = rows[d.seq[rows] != view.min_seq]
+        if len(rows) == 0:
+            return None
     seq = d.seq[rows]
     op = d.op_hash[rows].astype(np.int64)
     dtype = d.dtype_hash[rows].astype(np.int64)
@@ -65,6 +69,30 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         seq = seq[starts]
     ranks = np.full(len(seq), rank, dtype=np.int64)
     return seq, ranks, op, dtype, size
+
+
+def _maybe_cut(job: JobModel, rank: int, rows: npt.NDArray[np.intp], seq: int) -> bool:
+    """Whether the unit at ``seq`` (the oldest of ``rank``'s window on a group)
+    may have lost entries to the ring's eviction.
+
+    Eviction drops the oldest records, so only the group's oldest unit can be
+    cut, and only a unit of several entries: a coalesced block records its
+    members, then its closing entry last (``endCoalescing``), so what eviction
+    leaves of a block is its tail, closing entry included. A single entry that
+    is not a closing entry is therefore a whole collective, unless the dump
+    records blocks without closing entries (none in it, yet some seq of the
+    group holds several entries).
+    """
+    d = job.digests[rank]
+    at = rows[d.seq[rows] == seq]
+    if len(at) != 1:
+        return True
+    if d.op_names.get(int(d.op_hash[at[0]]), "") in CLOSING_OPS:
+        return True
+    if d.unit is None:
+        seqs = d.seq[rows]
+        return bool(len(np.unique(seqs)) < len(seqs))
+    return False
 
 
 def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
