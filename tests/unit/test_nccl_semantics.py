@@ -424,3 +424,23 @@ def test_p2p_batch_closing_entries_are_no_collectives_matched_by_record_order() 
     report = run(ranks)
     assert not any("record order" in n for n in report.notes), report.notes
     assert report.findings == ()
+
+
+def test_evicted_rings_oldest_block_after_an_older_kept_record_is_whole_and_compared() -> None:
+    # Every ring evicted the group's block #1 and kept two default-group ops
+    # recorded before block #2, so block #2's members (recorded back to back
+    # before its closing entry) are all there. Rank 3's members use Half. Not
+    # compared, every member "started" #2 and none finished: a timeout naming all.
+    groups = {**WORLD, "dp": ("dp", [0, 1, 2, 3])}
+    ranks = []
+    for r in range(4):
+        rk = Rank(r, groups).coalesced("dp", "completed")
+        rk.coll("0", "completed").coll("0", "completed").coalesced("dp", "started")
+        if r == 3:
+            for e in rk.entries[-4:-1]:
+                e["input_dtypes"] = ["Half"]
+        ranks.append(_evict(rk, 6))
+    report = run(ranks)
+    assert report.culprit_ranks == (3,)
+    assert report.findings[0].kind is FindingKind.DTYPE_MISMATCH
+    assert report.findings[0].seq == 2

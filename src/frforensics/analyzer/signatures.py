@@ -7,8 +7,9 @@ whose members disagree on op, dtype or size is a mismatch. Only the *first*
 mismatched seq of a group is kept per field: after one rank desyncs, every later
 seq compares different calls. A ring that evicted entries may have cut its
 oldest coalesced block in two, so a rank's oldest seq in such a window is not
-compared when it may be a block (``_maybe_cut``); a single plain collective
-there (one entry per seq: nothing to cut) is.
+compared when it may be a cut block (``_maybe_cut``); a single plain
+collective there (nothing to cut), or a block whose consecutive records follow
+an older record the ring still holds, is.
 """
 
 from __future__ import annotations
@@ -77,22 +78,32 @@ def _maybe_cut(job: JobModel, rank: int, rows: npt.NDArray[np.intp], seq: int) -
 
     Eviction drops the oldest records, so only the group's oldest unit can be
     cut, and only a unit of several entries: a coalesced block records its
-    members, then its closing entry last (``endCoalescing``), so what eviction
-    leaves of a block is its tail, closing entry included. A single entry that
-    is not a closing entry is therefore a whole collective, unless the dump
-    records blocks without closing entries (none in it, yet some seq of the
-    group holds several entries).
+    members one after another, then its closing entry (``endCoalescing``), so
+    what eviction leaves of a block is its tail, closing entry included. The
+    unit is whole when either
+
+    * it is a single entry that is not a closing entry (a plain collective; in a
+      dump without closing entries, only where no seq of the group holds
+      several entries), or
+    * its entries are consecutive records and the ring still holds a record
+      older than its first: its earlier members, recorded right before, would
+      have been kept too (a block interleaved with another thread's records is
+      not consecutive, and stays uncompared).
     """
     d = job.digests[rank]
     at = rows[d.seq[rows] == seq]
-    if len(at) != 1:
-        return True
-    if d.op_names.get(int(d.op_hash[at[0]]), "") in CLOSING_OPS:
-        return True
-    if d.unit is None:
+    if len(at) == 0:
+        return False
+    closing = d.op_names.get(int(d.op_hash[at[-1]]), "") in CLOSING_OPS
+    if len(at) == 1 and not closing:
+        if d.unit is not None:
+            return False
         seqs = d.seq[rows]
-        return bool(len(np.unique(seqs)) < len(seqs))
-    return False
+        if len(np.unique(seqs)) == len(seqs):
+            return False
+    if len(at) == 1 and closing:
+        return True  # a closing entry whose members are gone
+    return int(at[0]) == 0 or bool(np.any(np.diff(at) != 1))
 
 
 def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
