@@ -195,8 +195,10 @@ def _bench_dask(args: argparse.Namespace) -> None:
             path = writer(args.data / f"clone-{ranks}-{entries}" / fmt, ranks, jobs=args.jobs,
                           entries=entries)
             row: dict[str, Any] = {"ranks": ranks, "entries": entries, "format": fmt}
+            local = [*FR_ANALYZE, str(path), "--format", "json", "--jobs", str(args.jobs)]
             for tool, cmd in (
-                ("local", [*FR_ANALYZE, str(path), "--format", "json", "--jobs", str(args.jobs)]),
+                ("local", local),
+                ("local-w512", [*local, "--window", "512"]),
                 ("dask", [*FR_ANALYZE, str(path), "--format", "json", "--dask", address]),
             ):
                 run = measure(cmd, stdout=out, timeout_s=args.dask_timeout)
@@ -254,19 +256,24 @@ def _profile_dask(path: Path, address: str) -> str:
 
 def _dask_table(rows: list[dict[str, Any]], args: argparse.Namespace, stamp: str,
                 extra: str = "") -> None:
-    head = ("| ranks × entries | format | local pool: wall s / cpu s / GiB (tree) "
-            "| --dask: wall s / client cpu s / client GiB | ranks loaded (local, dask) "
-            "| same verdict |")
-    lines = [head, "|---|---|---|---|---|---|"]
+    head = ("| ranks × entries | format | local pool, whole ring: wall s / cpu s / GiB (tree) "
+            "| local pool, --window 512 | --dask (window 512): wall s / client cpu s / client GiB "
+            "| ranks loaded (local, w512, dask) | same verdict |")
+    lines = [head, "|---|---|---|---|---|---|---|"]
+
+    def cell(run: dict[str, Any] | None) -> str:
+        if run is None:
+            return "-"
+        return (f"{run['wall_s']:.2f} / {run['cpu_s']:.2f} / "
+                f"{run['peak_rss_bytes'] / 2**30:.2f}")
+
     for r in rows:
-        loc, dsk = r["local"], r["dask"]
+        culprits = {r.get(f"{t} culprits") for t in ("local", "local-w512", "dask") if t in r}
         lines.append(
             f"| {r['ranks']} × {r['entries']} | {r['format']} "
-            f"| {loc['wall_s']:.2f} / {loc['cpu_s']:.2f} / {loc['peak_rss_bytes'] / 2**30:.2f} "
-            f"| {dsk['wall_s']:.2f} / {dsk['cpu_s']:.2f} / {dsk['peak_rss_bytes'] / 2**30:.2f} "
-            f"| {r['local loaded']}, {r['dask loaded']} "
-            f"| {'yes' if r['local culprits'] == r['dask culprits'] else 'NO'} "
-            f"({r['dask culprits']}) |")
+            f"| {cell(r.get('local'))} | {cell(r.get('local-w512'))} | {cell(r.get('dask'))} "
+            f"| {r.get('local loaded')}, {r.get('local-w512 loaded')}, {r.get('dask loaded')} "
+            f"| {'yes' if len(culprits) == 1 else 'NO'} ({r.get('dask culprits')}) |")
     body = (f"fr-analyze --dask (LocalCluster, {args.jobs} worker processes) vs the local pool "
             f"(--jobs {args.jobs}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"one run each\n\n" + "\n".join(lines) + "\n" + extra)

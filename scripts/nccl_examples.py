@@ -31,7 +31,10 @@ FAULTS: dict[str, Plant] = {
     "p2p_deadlock (recv/recv)": lambda j: j.p2p_swap_order(rank=17, step=1),
     "p2p_deadlock (send/send)": lambda j: j.p2p_send_send(rank=6, step=1),
     "cross_pg_deadlock": lambda j: j.order_inversion(ranks=33, step=1),
+    "straggler (timing on: duration_ms)": lambda j: j.straggler(rank=27, delay_ms=20.0),
 }
+#: jobs dumped with timing on (``TORCH_NCCL_ENABLE_TIMING``): only they carry ``duration_ms``
+TIMED = frozenset({"straggler (timing on: duration_ms)"})
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
         job = (JobBuilder(tp=4, pp=4, dp=4, ring_size=2000, seed=7)
                .schedule(micro_batches=5, layers_per_stage=1, log_interval=2)
                .steps(3).jitter(ms=0.2)
-               .nccl(run_ahead=(1, 4), coalesce_dp="members", timing=False))
+               .nccl(run_ahead=(1, 4), coalesce_dp="members", timing=title in TIMED))
         dumps = plant(job).build()
         ds = DumpSet()
         for r in dumps.native_ranks:

@@ -34,6 +34,9 @@ app = typer.Typer(
 )
 
 SUBCOMMANDS = ("analyze", "convert", "timeline", "verdict")
+#: ``--window`` with ``--dask``: the straggler detector looks at 512 entries per
+#: rank anyway, and 512 columns are ~3.4 KiB per rank on the wire (docs/scaling.md)
+DASK_WINDOW = 512
 
 
 class Format(str, Enum):
@@ -118,6 +121,11 @@ def analyze(
     host_deadline: Annotated[float, typer.Option(
         "--host-deadline", min=1.0, help="With --dask: seconds a host may take; after that its "
         "unread dumps are load problems.")] = 600.0,
+    window: Annotated[int | None, typer.Option(
+        "--window", min=0, help="Analyze each ring's newest N entries (from its earliest "
+        "unfinished one if older; the rest count as evicted). 0: the whole ring. Default: the "
+        f"whole ring; {DASK_WINDOW} with --dask, so the central process's memory does not grow "
+        "with the ring size.")] = None,
 ) -> None:
     """Analyze dumps and print the verdict (the default command)."""
     from frforensics.analyzer import AnalyzeOptions, load_dumps
@@ -134,19 +142,24 @@ def analyze(
         raise UsageError("--manifest goes with --dask")
     if not paths and manifest is None:
         raise UsageError("no dumps given: pass files, directories or archives")
+    if window is None:
+        window = DASK_WINDOW if dask is not None else 0
+    cut = window or None
     if dask is not None:
         from frforensics.analyzer.cluster import load_dumps_dask, read_manifest
 
         hosts = None if manifest is None else read_manifest(manifest)
         dumps = _with_progress(
             lambda cb: load_dumps_dask([str(p) for p in paths], dask, prefix=prefix,
-                                       manifest=hosts, host_deadline_s=host_deadline, progress=cb),
+                                       manifest=hosts, host_deadline_s=host_deadline, progress=cb,
+                                       window=cut),
             enabled=show_progress,
             what="decoding dumps on the cluster",
         )
     else:
         dumps = _with_progress(
-            lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb),
+            lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb,
+                                  window=cut),
             enabled=show_progress,
             what="decoding dumps",
         )

@@ -166,6 +166,10 @@ ENTRY_COLUMNS: Final[dict[str, str]] = {
     "device": "<i4",  # string index, e.g. "cuda:3"
     "stream": "<i8",
     "stack": "<i4",  # index into RankTrace.stacks
+    # GPU time of the op, start event to end event (PyTorch's ``duration_ms``,
+    # NCCL with timing on, computed when the watchdog retires the entry), in ns;
+    # -1 (``NO_INDEX``) = unknown
+    "duration_ns": "<i8",
 }
 
 COLUMN_DEFAULTS: Final[dict[str, int]] = {
@@ -209,6 +213,7 @@ class EntryTable:
     device: I4
     stream: I8
     stack: I4
+    duration_ns: I8
 
     def __len__(self) -> int:
         return int(self.record_id.shape[0])

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from frforensics.rankset import RankSet, rank_ranges
+
 __all__ = [
     "ACTIONS",
     "KIND_SEVERITY",
@@ -99,9 +101,18 @@ class GroupRef:
 
     name: str
     desc: str
-    ranks: tuple[int, ...] | None
+    #: a tuple, or a ``range`` where the members are the world the dumps claim
+    ranks: Sequence[int] | None
+    #: False for a group implied by a world-size claim too large to list per rank
+    #: (``rankset.listable``): its JSON has ``ranks: null`` with ``ranks_count``
+    #: and ``ranks_ranges`` (``[[first, last], ...]``) instead
+    listed: bool = True
 
     def to_json(self) -> dict[str, Any]:
+        if self.ranks is not None and not self.listed:
+            spans = RankSet(rank_ranges(self.ranks) or [range(r, r + 1) for r in self.ranks])
+            return {"name": self.name, "desc": self.desc, "ranks": None,
+                    "ranks_count": len(spans), "ranks_ranges": spans.ranges()}
         return {"name": self.name, "desc": self.desc,
                 "ranks": None if self.ranks is None else list(self.ranks)}
 
@@ -290,7 +301,10 @@ class Report:
 
     world_size: int | None
     ranks_loaded: tuple[int, ...]
-    ranks_missing: tuple[int, ...]
+    #: a tuple, or a :class:`~frforensics.rankset.RankSet` when too many ranks left
+    #: no dump to list them (``rankset.listable``; the JSON then has
+    #: ``ranks_missing: null``, ``ranks_missing_count`` and ``ranks_missing_ranges``)
+    ranks_missing: Sequence[int]
     culprit_ranks: tuple[int, ...]
     ranks: Mapping[int, RankFacts]
     findings: tuple[Finding, ...]
@@ -330,7 +344,7 @@ class Report:
             "status": self.status.value,
             "world_size": self.world_size,
             "ranks_loaded": list(self.ranks_loaded),
-            "ranks_missing": list(self.ranks_missing),
+            **self._missing_json(),
             "culprit_ranks": list(self.culprit_ranks),
             "ranks": {str(r): facts.to_json() for r, facts in sorted(self.ranks.items())},
             "findings": [f.to_json() for f in self.findings],
@@ -338,6 +352,12 @@ class Report:
             "actions": [a.to_json() for a in self.actions],
             "notes": list(self.notes),
         }
+
+    def _missing_json(self) -> dict[str, Any]:
+        if isinstance(self.ranks_missing, RankSet):
+            return {"ranks_missing": None, "ranks_missing_count": len(self.ranks_missing),
+                    "ranks_missing_ranges": self.ranks_missing.ranges()}
+        return {"ranks_missing": list(self.ranks_missing)}
 
 
 def code_sides(finding: Finding, *, limit: int = 4) -> list[str]:
@@ -363,20 +383,30 @@ def format_ranks(ranks: Sequence[int] | Iterable[int], *, limit: int = 12) -> st
     """Compact rank list: ``[0,1,2,3,7,9,10]`` -> ``'0-3,7,9-10'``.
 
     Beyond ``limit`` ranges the tail is summarized, so 10,000 ranks stay one line.
+    A :class:`~frforensics.rankset.RankSet` or a ``range`` is rendered from its
+    spans, without visiting each rank (a claimed world of 2^20 ranks).
     """
-    values = sorted(set(ranks))
-    if not values:
+    known = rank_ranges(ranks)
+    if known is not None:
+        pairs = [(s.start, s.stop - 1) for s in known]
+        count = sum(len(s) for s in known)
+    else:
+        values = sorted(set(ranks))
+        count = len(values)
+        pairs = []
+        if values:
+            start = prev = values[0]
+            for r in values[1:]:
+                if r == prev + 1:
+                    prev = r
+                    continue
+                pairs.append((start, prev))
+                start = prev = r
+            pairs.append((start, prev))
+    if not pairs:
         return "none"
-    spans: list[str] = []
-    start = prev = values[0]
-    for r in values[1:]:
-        if r == prev + 1:
-            prev = r
-            continue
-        spans.append(f"{start}" if start == prev else f"{start}-{prev}")
-        start = prev = r
-    spans.append(f"{start}" if start == prev else f"{start}-{prev}")
+    spans = [f"{a}" if a == b else f"{a}-{b}" for a, b in pairs]
     if len(spans) > limit:
         shown = ",".join(spans[:limit])
-        return f"{shown},… ({len(values)} ranks in {len(spans)} ranges)"
+        return f"{shown},… ({count} ranks in {len(spans)} ranges)"
     return ",".join(spans)

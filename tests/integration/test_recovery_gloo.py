@@ -287,10 +287,6 @@ def test_second_rank_dying_during_recovery_fails_bounded_with_the_verdicts(
         _release(job)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the second verdict names rank 2 again: the analyzer still reads group 0's op #6 "
-    "(abandoned by the reconfiguration) as the current hang, and rank 3's file from "
-    "incident 0 as its dump; needs the analyzer change in docs/recovery.md, 'Limits'"))
 def test_a_second_hang_after_recovery_is_recovered_from_too(run_job: Any) -> None:
     job = _start(run_job, "twice")
     try:

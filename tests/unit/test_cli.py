@@ -79,3 +79,14 @@ def test_convert_then_analyze_gives_the_same_verdict(tmp_path: Path) -> None:
 def test_convert_of_nothing_exits_two(tmp_path: Path) -> None:
     (tmp_path / "in").mkdir()
     assert fr("convert", str(tmp_path / "in"), str(tmp_path / "out")).returncode == 2
+
+
+def test_window_cuts_the_rings_and_keeps_the_verdict() -> None:
+    whole = json.loads(fr(str(DATA / "missing_rank" / "pickle"), "-f", "json").stdout)
+    assert whole == json.loads(fr(str(DATA / "missing_rank" / "pickle"), "-f", "json",
+                                  "--window", "0").stdout)
+    cut = fr(str(DATA / "missing_rank" / "pickle"), "-f", "json", "--window", "4")
+    report = json.loads(cut.stdout)
+    assert cut.returncode == 1 and report["culprit_ranks"] == whole["culprit_ranks"] == [2]
+    assert any("--window 4" in note for note in report["notes"])
+    assert not any("--window" in note for note in whole["notes"])

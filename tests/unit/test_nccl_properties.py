@@ -2,8 +2,10 @@
 
 Issue #10. Every job is drawn from a seed: a layout TP ∈ {1, 2, 4, 8} × PP ∈ {1, 2, 4}
 × DP ∈ {1, 2, 4, 8} with 8 to 64 ranks, a ring size (often small enough to evict),
-for NCCL a run-ahead depth per rank, a DP coalescing style and timing on or off,
-and one planted fault at a random rank, step and position. The builder states the
+for NCCL a run-ahead depth per rank, a DP coalescing style and timing on or off
+(drawn per job; straggler batches are split into timing-on and timing-off jobs, since
+only timing gives NCCL dumps ``duration_ms``), and one planted fault at a random rank,
+step and position. The builder states the
 verdict by construction (``JobDumps.expected_native``: the root culprit(s), the
 finding kind, and where each rank is really blocked); the analysis runs in-process
 on each rank's pickle and JSON bytes. Properties:
@@ -123,8 +125,12 @@ class Job:
                 f"{self.knobs} planted={exp.kinds[:1]} roots={exp.culprit_ranks}")
 
 
-def make_job(mode: str, fault: str, seed: int, layout: Layout3 | None = None) -> Job:
-    """Draw one job from ``seed`` (CI-sized: few steps, short pipelines, small rings)."""
+def make_job(mode: str, fault: str, seed: int, layout: Layout3 | None = None,
+             timing: bool | None = None) -> Job:
+    """Draw one job from ``seed`` (CI-sized: few steps, short pipelines, small rings).
+
+    ``timing`` (NCCL): force timing on or off instead of drawing it (the draw is
+    still made, so every other draw of the seed stays the same)."""
     rng = random.Random(f"{mode}:{fault}:{seed}")
     if layout is None:
         # every layout can be drawn; smaller worlds more often (each world size about
@@ -142,7 +148,8 @@ def make_job(mode: str, fault: str, seed: int, layout: Layout3 | None = None) ->
     if mode == "nccl":
         depth = rng.choice([1, 2, 4, 6])
         style = rng.choice(["members", "fused", None])
-        timing = rng.random() < 0.5
+        drawn = rng.random() < 0.5
+        timing = drawn if timing is None else timing
         job = job.nccl(run_ahead=(1, depth), coalesce_dp=style, timing=timing)  # type: ignore[arg-type]
         knobs = f"ring={ring} run_ahead=1..{depth} coalesce_dp={style} timing={timing}"
     else:
@@ -261,11 +268,12 @@ class Tally:
         return "\n".join(lines)
 
 
-def run_batch(mode: str, fault: str, seeds: range, layout: Layout3 | None = None) -> Tally:
+def run_batch(mode: str, fault: str, seeds: range, layout: Layout3 | None = None,
+              timing: bool | None = None) -> Tally:
     """Generate, analyze (pickle and JSON) and check every job of a batch."""
     tally = Tally()
     for seed in seeds:
-        job = make_job(mode, fault, seed, layout)
+        job = make_job(mode, fault, seed, layout, timing)
         exp = job.dumps.expected_native
         reports = analyze_native(job.dumps)
         bad = False
@@ -285,35 +293,56 @@ def run_batch(mode: str, fault: str, seeds: range, layout: Layout3 | None = None
 JOBS = {"nccl": 46, "gloo": 63}
 
 
-def _cases() -> list[tuple[str, str]]:
-    return [(mode, fault) for mode in ("nccl", "gloo") for fault in FAULTS
-            if mode == "nccl" or fault not in NCCL_ONLY]
+#: NCCL faults whose evidence depends on timing (``duration_ms``): their batches are
+#: split into timing-on and timing-off jobs (``None``: timing drawn per job).
+BY_TIMING = frozenset({"straggler"})
+
+Case = tuple[str, str, bool | None]  # (mode, fault, timing)
+
+
+def _cases() -> list[Case]:
+    out: list[Case] = []
+    for mode in ("nccl", "gloo"):
+        for fault in FAULTS:
+            if mode == "gloo" and fault in NCCL_ONLY:
+                continue
+            if mode == "nccl" and fault in BY_TIMING:
+                out += [(mode, fault, True), (mode, fault, False)]
+            else:
+                out.append((mode, fault, None))
+    return out
+
+
+def _case_id(case: Case) -> str:
+    mode, fault, timing = case
+    return f"{mode}-{fault}" + ("" if timing is None else "-timing" if timing else "-no_timing")
 
 
 #: Known detection gaps, each a strict xfail (it fails the day it is fixed). Both
 #: are misses (no culprit), never wrong culprits: the property tests check that too.
-GAPS = {
-    ("nccl", "straggler"): "NCCL native completion times are the watchdog's 100 ms discovery "
-    "times and enqueue times are the CPU's (it runs ahead), so a 15-30 ms straggler is not "
-    "seen; duration_ms (timing on) would show it, and is not read yet",
-    ("gloo", "straggler"): "gloo native dumps have only enqueue times: a rank late at every op "
-    "cannot be told from a clock offset of its host, and lateness passed on through unrecorded "
-    "send/recv cannot be told from its source (the analyzer abstains)",
+GAPS: dict[Case, str] = {
+    ("nccl", "straggler", False): "without timing NCCL native dumps have no duration_ms: "
+    "completion times are the watchdog's 100 ms discovery times and enqueue times are the "
+    "CPU's (it runs ahead), so a 15-30 ms straggler is not seen",
+    ("gloo", "straggler", None): "gloo native dumps have only enqueue times: a rank late at "
+    "every op cannot be told from a clock offset of its host, and lateness passed on through "
+    "unrecorded send/recv cannot be told from its source (the analyzer abstains)",
 }
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("mode", "fault"), _cases())
-def test_generated_jobs_name_exactly_the_planted_roots(mode: str, fault: str,
+@pytest.mark.parametrize("case", _cases(), ids=_case_id)
+def test_generated_jobs_name_exactly_the_planted_roots(case: Case,
                                                        request: pytest.FixtureRequest) -> None:
-    if (mode, fault) in GAPS:
-        request.applymarker(pytest.mark.xfail(reason=GAPS[(mode, fault)], strict=True))
-    tally = run_batch(mode, fault, range(JOBS[mode]))
+    if case in GAPS:
+        request.applymarker(pytest.mark.xfail(reason=GAPS[case], strict=True))
+    mode, fault, timing = case
+    tally = run_batch(mode, fault, range(JOBS[mode]), timing=timing)
     assert not tally.counts, tally.table()
 
 
 def test_every_mode_checks_at_least_500_jobs() -> None:
-    per_mode = Counter(mode for mode, _ in _cases())
+    per_mode = Counter(mode for mode, _, _ in _cases())
     assert per_mode["nccl"] * JOBS["nccl"] >= 500
     assert per_mode["gloo"] * JOBS["gloo"] >= 500
 
@@ -321,22 +350,23 @@ def test_every_mode_checks_at_least_500_jobs() -> None:
 @pytest.mark.scale
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("layout", SCALE_LAYOUTS, ids=lambda lay: f"{lay[0] * lay[1] * lay[2]}ranks")
-@pytest.mark.parametrize(("mode", "fault"), _cases())
-def test_generated_jobs_at_scale(mode: str, fault: str, layout: Layout3,
+@pytest.mark.parametrize("case", _cases(), ids=_case_id)
+def test_generated_jobs_at_scale(case: Case, layout: Layout3,
                                  request: pytest.FixtureRequest) -> None:
-    if (mode, fault) in GAPS:
-        request.applymarker(pytest.mark.xfail(reason=GAPS[(mode, fault)], strict=True))
+    if case in GAPS:
+        request.applymarker(pytest.mark.xfail(reason=GAPS[case], strict=True))
+    mode, fault, timing = case
     if not _eligible(fault, layout):
         pytest.fail(f"{fault} cannot be planted on layout {layout}")
-    tally = run_batch(mode, fault, range(2), layout)
+    tally = run_batch(mode, fault, range(2), layout, timing)
     assert not tally.counts, tally.table()
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["nccl", "gloo"])
 def test_straggler_jobs_never_name_a_rank_that_is_not_the_straggler(mode: str) -> None:
-    """The straggler batches are known gaps (``GAPS``: misses); what they must never
-    do is name another rank: a wrong culprit is worse than none."""
+    """Some straggler batches are known gaps (``GAPS``: misses); what no straggler job
+    may do, timing on or off, is name another rank: a wrong culprit is worse than none."""
     wrong = []
     for seed in range(JOBS[mode]):
         job = make_job(mode, "straggler", seed)

@@ -8,6 +8,7 @@ Never imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from frforensics._gc import gc_paused
@@ -90,28 +91,36 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
         notes.append(f"skipped {len(dumps.skipped)} file(s) that are not dumps")
     culprits = _culprits(findings)
     facts = _facts(ctx)
-    return Report(
+    report = Report(
         world_size=job.world_size,
         ranks_loaded=tuple(sorted(job.digests)),
-        ranks_missing=tuple(job.missing_dumps),
+        # too many to list: the report holds them as ranges (rankset.listable)
+        ranks_missing=tuple(job.missing_dumps) if job.silent_listed else job.missing_dumps,
         culprit_ranks=culprits,
         ranks=facts,
         findings=tuple(findings),
         load_problems=tuple(dumps.problems),
         notes=tuple(notes),
-        timeline=_timeline(ctx),
         actions=derive_actions(ctx, findings, culprits, facts),
     )
+    # Only the HTML report draws timelines, of at most TIMELINE_RANKS ranks: a
+    # large job builds them for those ranks only (half a million ops at 16k ranks)
+    from frforensics.reporting._shared import TIMELINE_RANKS, timeline_ranks
+    ranks = None
+    if len(job.digests) > 8 * TIMELINE_RANKS:
+        ranks = timeline_ranks(report, job.digests, TIMELINE_RANKS)
+    return replace(report, timeline=_timeline(ctx, ranks))
 
 
-def _timeline(ctx: Context) -> tuple[RankTimeline, ...]:
-    """Each rank's kept entries (last ones and unfinished ones), for drawn timelines."""
+def _timeline(ctx: Context, ranks: list[int] | None = None) -> tuple[RankTimeline, ...]:
+    """Each rank's (or each of ``ranks``') kept entries (last ones and unfinished
+    ones), for drawn timelines."""
     out: list[RankTimeline] = []
     # Labels per group and locations per stack are computed once: at 16k ranks
     # the timeline holds half a million ops sharing a few hundred of each.
     labels: dict[int, tuple[str, str]] = {}
     locations: dict[int, str | None] = {}
-    for rank in sorted(ctx.job.digests):
+    for rank in sorted(ctx.job.digests) if ranks is None else sorted(ranks):
         d = ctx.job.digests[rank]
         wait = ctx.graph.waits.get(rank)
         ops: list[TimelineOp] = []
@@ -158,7 +167,7 @@ def _explained_by_desync(findings: list[Finding]) -> list[Finding]:
     wrong calls, so ranks stop at different seqs: those stops are consequences
     of the desync, not more culprits.
     """
-    first: dict[tuple[str, tuple[int, ...] | None], int] = {}
+    first: dict[tuple[str, Sequence[int] | None], int] = {}
     for f in findings:
         if f.kind in _DESYNC and f.pg is not None and f.seq is not None:
             key = (f.pg.name, f.pg.ranks)

@@ -102,7 +102,7 @@ def _list_here(paths: Sequence[str], unit: str) -> tuple[list[_Item], list[tuple
 
 
 def digest_here(items: Sequence[_Item], *, prefix: str | None = None, tail: int = DEFAULT_TAIL,
-                ) -> list[RankDigest | LoadProblem | Skipped]:
+                window: int | None = None) -> list[RankDigest | LoadProblem | Skipped]:
     """On a worker: digest listed files (archives opened here) under their ``HOST:path`` labels.
 
     Each file goes through the one reader (``formats.sources.discover``, which
@@ -120,17 +120,17 @@ def digest_here(items: Sequence[_Item], *, prefix: str | None = None, tail: int 
                     continue
                 src = replace(src, label=f"{host}:{src.label}",
                               explicit=explicit if src.path == path else src.explicit)
-                out.append(digest_source(src, prefix=prefix, tail=tail))
+                out.append(digest_source(src, prefix=prefix, tail=tail, window=window))
         except UsageError as exc:  # gone since it was listed
             out.append(LoadProblem(label, f"cannot read: {exc}"))
     return out
 
 
 def _decode_here(items: Sequence[_Item], prefix: str | None, tail: int,
-                 codec: str) -> tuple[bytes, list[tuple[str, str, bool]]]:
+                 codec: str, window: int | None = None) -> tuple[bytes, list[tuple[str, str, bool]]]:
     """On a worker: ``items`` as one wire payload, plus ``(label, error, quiet)`` problems."""
     with gc_paused():
-        results = digest_here(items, prefix=prefix, tail=tail)
+        results = digest_here(items, prefix=prefix, tail=tail, window=window)
     digests = [r for r in results if isinstance(r, RankDigest)]
     problems = [(r.path, r.error, False) for r in results if isinstance(r, LoadProblem)]
     problems.extend((r.label, r.reason, True) for r in results if isinstance(r, Skipped))
@@ -225,6 +225,7 @@ def load_dumps_dask(
     connect_timeout_s: float = 30.0,
     codec: str = "zlib",
     progress: Callable[[int, int], None] | None = None,
+    window: int | None = None,
 ) -> DumpSet:
     """Like :func:`~frforensics.analyzer.load_dumps`, with every host decoding its own dumps.
 
@@ -238,7 +239,7 @@ def load_dumps_dask(
         with gc_paused():
             return _load(client, [str(p) for p in paths], prefix=prefix, tail=tail,
                          manifest=manifest, deadline_s=host_deadline_s, codec=codec,
-                         progress=progress)
+                         progress=progress, window=window)
     finally:
         if own:
             client.close(timeout=10)
@@ -246,7 +247,7 @@ def load_dumps_dask(
 
 def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
           manifest: dict[str, list[str]] | None, deadline_s: float, codec: str,
-          progress: Callable[[int, int], None] | None) -> DumpSet:
+          progress: Callable[[int, int], None] | None, window: int | None = None) -> DumpSet:
     workers = _workers(client)
     if not workers:
         raise UsageError("the Dask cluster has no workers")
@@ -287,7 +288,7 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
         size = max(1, min(_MAX_BATCH, len(items) // (4 * len(unit.workers)) or 1))
         for i in range(0, len(items), size):
             chunk = items[i:i + size]
-            unit.pending[submit(unit, _decode_here, chunk, prefix, tail, codec)] = chunk
+            unit.pending[submit(unit, _decode_here, chunk, prefix, tail, codec, window)] = chunk
 
     now = time.monotonic()
     for unit in units:

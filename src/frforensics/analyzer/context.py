@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from frforensics.analyzer.merge import JobModel
@@ -62,5 +63,5 @@ class Context:
         return f"{wait.op}{peer} {number} on {self.pg_label(wait.gid)}"
 
     @staticmethod
-    def ranks(ranks: list[int] | tuple[int, ...] | set[int]) -> str:
-        return format_ranks(sorted(ranks))
+    def ranks(ranks: Collection[int]) -> str:
+        return format_ranks(ranks)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass
-from typing import Final, NamedTuple
+from dataclasses import dataclass, fields, replace
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -41,7 +41,8 @@ from frforensics.model import (
     ThreadStack,
 )
 
-__all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame"]
+__all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame",
+           "windowed"]
 
 DEFAULT_TAIL: Final = 32
 
@@ -176,6 +177,13 @@ class RankDigest:
     gpu_states: bool = False
     #: ops the dump does not record (gloo's send/recv, from ``pg_status``)
     unrecorded_ops: int = 0
+    #: GPU time of each entry's unit in ns (PyTorch's ``duration_ms``: start to end
+    #: CUDA event, timing on; a coalesced member takes its closing entry's), -1
+    #: where unknown; ``None``: no entry has one
+    duration_ns: I8 | None = None
+    #: the window starts at a whole unit: the rows were cut by ``windowed``, which
+    #: never splits a coalesced block (a ring's own eviction may)
+    whole_oldest: bool = False
     # physical identity (model.RankTrace); None where unknown
     local_rank: int | None = None
     cuda_device: int | None = None
@@ -331,44 +339,49 @@ def _record_order_seqs(trace: RankTrace, seq: I8, op_hash: U4) -> tuple[I8, tupl
     return out, tuple(notes)
 
 
-def _detail(trace: RankTrace, row: int, locations: dict[int, str | None],
-            state: U1, is_p2p: U1, seq: I8) -> EntryDetail:
+def _details(trace: RankTrace, rows: list[int], state: U1, is_p2p: U1,
+             seq: I8) -> dict[int, EntryDetail]:
+    """:class:`EntryDetail` of ``rows`` (sorted): each column read once for all rows."""
+    if not rows:
+        return {}
     e = trace.entries
     s = trace.string
-    stack = int(e.stack[row])
-    frames = trace.stack(stack)
-    if stack not in locations:
-        frame = user_frame(frames)
+    idx = np.asarray(rows, dtype=np.int64)
+
+    def col(values: npt.NDArray[Any]) -> list[Any]:
+        return values[idx].tolist()  # type: ignore[no-any-return]
+
+    def text(values: npt.NDArray[Any]) -> list[str]:
+        return [s(i) for i in values[idx].tolist()]
+
+    locations: dict[int, str | None] = {}
+    stacks = col(e.stack)
+    for stack in set(stacks):
+        frame = user_frame(trace.stack(stack))
         locations[stack] = None if frame is None else str(frame)
-    return EntryDetail(
-        row=row,
-        record_id=int(e.record_id[row]),
-        group=int(e.pg[row]),
-        seq=int(seq[row]),
-        p2p_seq=int(e.p2p_seq[row]),
-        peer_seq=int(e.peer_seq[row]),
-        op=s(int(e.op[row])),
-        is_p2p=bool(is_p2p[row]),
-        peer=int(e.peer[row]),
-        root=int(e.root[row]),
-        in_shapes=s(int(e.in_shapes[row])),
-        out_shapes=s(int(e.out_shapes[row])),
-        in_dtypes=s(int(e.in_dtypes[row])),
-        out_dtypes=s(int(e.out_dtypes[row])),
-        reduce_op=s(int(e.reduce_op[row])),
-        state=OpState(int(state[row])),
-        t_enqueue_ns=int(e.t_enqueue_ns[row]),
-        t_start_ns=int(e.t_start_ns[row]),
-        t_complete_ns=int(e.t_complete_ns[row]),
-        timeout_ms=int(e.timeout_ms[row]),
-        thread=s(int(e.thread[row])),
-        frames=frames,
-        location=locations[stack],
-    )
+    columns = zip(
+        rows, col(e.record_id), col(e.pg), col(seq), col(e.p2p_seq), col(e.peer_seq),
+        text(e.op), col(is_p2p), col(e.peer), col(e.root), text(e.in_shapes),
+        text(e.out_shapes), text(e.in_dtypes), text(e.out_dtypes), text(e.reduce_op),
+        col(state), col(e.t_enqueue_ns), col(e.t_start_ns), col(e.t_complete_ns),
+        col(e.timeout_ms), text(e.thread), stacks, strict=True)
+    return {
+        row: EntryDetail(row, rid, pg, sq, p2p, pseq, op, bool(p), peer, root, ins, outs,
+                         idt, odt, red, OpState(st), t0, t1, t2, tmo, thread,
+                         trace.stack(stack), locations[stack])
+        for (row, rid, pg, sq, p2p, pseq, op, p, peer, root, ins, outs, idt, odt, red, st,
+             t0, t1, t2, tmo, thread, stack) in columns
+    }
 
 
-def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDigest:
-    """Reduce ``trace`` to its :class:`RankDigest` (``rank`` already resolved)."""
+def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
+           window: int | None = None) -> RankDigest:
+    """Reduce ``trace`` to its :class:`RankDigest` (``rank`` already resolved).
+
+    ``window``: keep the columns of only the newest ``window`` entries (and every
+    entry from the earliest unfinished one on), as if the ring held that many
+    (:func:`windowed`); ``None`` keeps the whole ring.
+    """
     e = trace.entries
     n = len(e)
     hashes = np.fromiter((str_hash(x) for x in trace.strings), dtype=np.uint32,
@@ -412,11 +425,13 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
     # NCCL stamps states from CUDA events at dump time; gloo only retires
     gpu_states = bool(any(g.backend == "nccl" for g in trace.groups)
                       or (e.state == OpState.STARTED).any() or (e.t_start_ns > 0).any())
+    duration: I8 | None = None
+    if n and int(e.duration_ns.max()) >= 0:
+        duration = np.ascontiguousarray(e.duration_ns if unit is None else e.duration_ns[unit])
     keep = set(range(max(0, n - tail), n))
     keep.update(np.flatnonzero(state != OpState.COMPLETED).tolist())
-    locations: dict[int, str | None] = {}
-    details = {row: _detail(trace, row, locations, state, is_p2p, seq) for row in sorted(keep)}
-    return RankDigest(
+    details = _details(trace, sorted(keep), state, is_p2p, seq)
+    out = RankDigest(
         rank=rank,
         rank_from=trace.rank_from,
         source=trace.source,
@@ -457,8 +472,53 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL) -> RankDige
         unit=unit,
         gpu_states=gpu_states,
         unrecorded_ops=trace.unrecorded_ops,
+        duration_ns=duration,
         local_rank=trace.local_rank,
         cuda_device=trace.cuda_device,
         gpu_uuid=trace.gpu_uuid,
         pci_bus_id=trace.pci_bus_id,
     )
+    return out if window is None else windowed(out, window, e.record_id)
+
+
+def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDigest:
+    """``d`` cut to its newest ``window`` entries, as a ring of that size would hold.
+
+    The cut never drops an unfinished entry (it starts at the earliest one when
+    that is older) nor splits a coalesced block (members stay with their closing
+    entry). What is cut counts as evicted (``dropped``, ``first_record_id``), so
+    the analyzer treats the rank as it treats a ring that overflowed: the oldest
+    kept seq of each group is not compared. Every per-entry numpy column is cut,
+    details of cut rows dropped and rows renumbered.
+    """
+    n = len(d)
+    if window < 1 or n <= window:
+        return d
+    start = n - window
+    unfinished = np.flatnonzero(d.state != OpState.COMPLETED)
+    if len(unfinished):
+        start = min(start, int(unfinished[0]))
+    if d.unit is not None:
+        # a member before the cut whose closing row is kept moves the cut back
+        rows = np.arange(start, dtype=np.int64)
+        split = np.flatnonzero(d.unit[:start] >= start)
+        if len(split):
+            start = int(rows[split[0]])
+    if start <= 0:
+        return d
+    cut: dict[str, object] = {}
+    for f in fields(d):
+        value = getattr(d, f.name)
+        if isinstance(value, np.ndarray) and value.shape == (n,):
+            cut[f.name] = np.ascontiguousarray(value[start:])
+    if d.unit is not None:
+        cut["unit"] = np.ascontiguousarray(d.unit[start:] - start)
+    cut["details"] = {row - start: det._replace(row=row - start)
+                      for row, det in d.details.items() if row >= start}
+    first = (int(record_id[start]) if record_id is not None and len(record_id) == n
+             else d.first_record_id + start)
+    return replace(d, dropped=d.dropped + start, first_record_id=first, whole_oldest=True,
+                   notes=(*d.notes, f"ring cut to its newest {window} entries (--window {window}; "
+                          "from the earliest unfinished one if older): older entries "
+                          "count as evicted"),
+                   **cut)  # type: ignore[arg-type]

@@ -94,6 +94,7 @@ def digest_source(
     prefix: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
     tail: int = DEFAULT_TAIL,
+    window: int | None = None,
 ) -> RankDigest | LoadProblem | Skipped:
     """Decode and digest one candidate; never raises for a bad file."""
     with gc_paused():
@@ -102,7 +103,7 @@ def digest_source(
             return out
         assert out.rank is not None  # read_source checked it
         try:
-            return digest(out, rank=out.rank, tail=tail)
+            return digest(out, rank=out.rank, tail=tail, window=window)
         except MemoryError:
             return LoadProblem(source.label, "out of memory while digesting: skipped")
         except Exception as exc:  # a digest bug must cost one file, never the analysis
@@ -116,12 +117,13 @@ def digest_paths(
     prefix: str | None = None,
     limits: Limits = DEFAULT_LIMITS,
     tail: int = DEFAULT_TAIL,
+    window: int | None = None,
 ) -> list[RankDigest | LoadProblem]:
     """Every dump under local ``paths`` digested (skipped non-dumps left out)."""
     out: list[RankDigest | LoadProblem] = []
     for item in discover(paths, limits=limits):
         result = item if isinstance(item, LoadProblem) else digest_source(
-            item, prefix=prefix, limits=limits, tail=tail)
+            item, prefix=prefix, limits=limits, tail=tail, window=window)
         if not isinstance(result, Skipped):
             out.append(result)
     return _share_groups(out)
@@ -140,19 +142,29 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
     # ranks: at 16,384 ranks that is 16,384 ints per digest, 10 GB if each digest
     # kept its own copy. Equal groups share one object within a batch, which the
     # pickle carrying the batch back then stores once.
-    shared: dict[GroupInfo, GroupInfo] = {}
+    # Keyed by the members' identity when they are large: the decoders hand out
+    # one tuple per distinct membership (formats._shared), and hashing a
+    # 16,384-member tuple per rank would cost O(world) each.
+    shared: dict[tuple[object, ...], GroupInfo] = {}
     out: list[RankDigest | LoadProblem] = []
+
+    def key(g: GroupInfo) -> tuple[object, ...]:
+        big = g.ranks is not None and len(g.ranks) > 64
+        return (g.name, g.desc, g.backend, id(g.ranks) if big else g.ranks, big)
+
     for item in items:
         if isinstance(item, RankDigest):
-            groups = tuple(shared.setdefault(g, g) for g in item.groups)
+            groups = tuple(shared.setdefault(key(g), g) for g in item.groups)
             item = replace(item, groups=groups)
         out.append(item)
     return out
 
 
 def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int,
-                  limits: Limits = DEFAULT_LIMITS) -> list[RankDigest | LoadProblem | Skipped]:
-    done = [digest_source(source, prefix=prefix, limits=limits, tail=tail) for source in batch]
+                  limits: Limits = DEFAULT_LIMITS,
+                  window: int | None = None) -> list[RankDigest | LoadProblem | Skipped]:
+    done = [digest_source(source, prefix=prefix, limits=limits, tail=tail, window=window)
+            for source in batch]
     skipped = [d for d in done if isinstance(d, Skipped)]
     return [*_share_groups([d for d in done if not isinstance(d, Skipped)]), *skipped]
 
@@ -180,18 +192,20 @@ def load_dumps(
     tail: int = DEFAULT_TAIL,
     progress: Callable[[int, int], None] | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    window: int | None = None,
 ) -> DumpSet:
     """Discover and decode every dump under ``paths`` into a :class:`DumpSet`.
 
     ``jobs`` worker processes decode in parallel (default and most: the
-    machine's cores); ``progress(done, total)`` is called as files finish.
+    machine's cores); ``progress(done, total)`` is called as files finish;
+    ``window``: see :func:`frforensics.analyzer.digest.windowed`.
     """
     # The collector stays off for the whole load: digests arriving from the
     # workers are hundreds of thousands of long-lived objects, and every
     # collection would rescan all of them (nothing here makes reference cycles).
     with gc_paused():
         return _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
-                     limits=limits)
+                     limits=limits, window=window)
 
 
 def _load(
@@ -202,6 +216,7 @@ def _load(
     tail: int,
     progress: Callable[[int, int], None] | None,
     limits: Limits,
+    window: int | None = None,
 ) -> DumpSet:
     result = DumpSet()
     # Archive members arrive as bytes, one at a time: they are decoded here as
@@ -213,7 +228,8 @@ def _load(
         if isinstance(item, LoadProblem):
             result.problems.append(item)
         elif item.data is not None:
-            result.add(digest_source(item, prefix=prefix, limits=limits, tail=tail))
+            result.add(digest_source(item, prefix=prefix, limits=limits, tail=tail,
+                                     window=window))
             streamed += 1
             if progress:
                 progress(streamed, streamed)
@@ -221,7 +237,8 @@ def _load(
             on_disk.append(item)
     total = streamed + len(on_disk)
     done = streamed
-    for out in _decode_all(on_disk, prefix=prefix, jobs=jobs, tail=tail, limits=limits):
+    for out in _decode_all(on_disk, prefix=prefix, jobs=jobs, tail=tail, limits=limits,
+                           window=window):
         result.add(out)
         done += 1
         if progress:
@@ -230,21 +247,23 @@ def _load(
 
 
 def _decode_all(sources: list[DumpSource], *, prefix: str | None, jobs: int, tail: int,
-                limits: Limits) -> Iterator[RankDigest | LoadProblem | Skipped]:
+                limits: Limits, window: int | None = None,
+                ) -> Iterator[RankDigest | LoadProblem | Skipped]:
     if jobs == 1 or len(sources) < 8:
         for source in sources:
-            yield digest_source(source, prefix=prefix, limits=limits, tail=tail)
+            yield digest_source(source, prefix=prefix, limits=limits, tail=tail, window=window)
         return
     # Batches amortize the per-task overhead; several per worker keep cores busy;
     # a bounded window of batches in flight keeps results from piling up.
     size = max(1, min(64, len(sources) // (jobs * 4) or 1))
     batches = deque(sources[i:i + size] for i in range(0, len(sources), size))
     with _executor(jobs) as pool:
-        window: deque[Future[list[RankDigest | LoadProblem | Skipped]]] = deque()
-        while batches or window:
-            while batches and len(window) < 4 * jobs:
-                window.append(pool.submit(_decode_batch, batches.popleft(), prefix, tail, limits))
-            yield from window.popleft().result()
+        flight: deque[Future[list[RankDigest | LoadProblem | Skipped]]] = deque()
+        while batches or flight:
+            while batches and len(flight) < 4 * jobs:
+                flight.append(pool.submit(_decode_batch, batches.popleft(), prefix, tail,
+                                          limits, window))
+            yield from flight.popleft().result()
 
 
 def _add(result: DumpSet, new: RankDigest) -> None:

@@ -18,13 +18,24 @@ it is stuck in. A rank is blocked in its *earliest unfinished* op
 (``blocked_row``); an op it enqueued after that and whose kernel did not start is
 *queued* behind it — the rank is "in" that op only as a queued entry, so peers
 waiting in it wait **for** that rank (docs/native-format.md, "the CPU runs ahead").
+
+The world is sparse: its size is a claim (a dump's ``world_size``,
+``--world-size``, the highest rank seen), so the ranks without a dump are a
+:class:`~frforensics.rankset.RankSet`. When they are too many to list
+(``rankset.listable``), those above the highest rank with a dump — implied by
+the size claim alone — are ``JobModel.unlisted``, held only as ranges; the
+holes below it stay named one by one (a dump from a higher rank proves they
+existed) while they are listable. The default group's inferred members are
+then a ``range``, and every pass walks the ranks with dumps, never the world.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +43,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import RankDigest, str_hash
 from frforensics.model import GroupInfo, OpState
+from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet, listable
 from frforensics.report import GroupRef, format_ranks
 
 __all__ = ["Group", "JobModel", "build_job"]
@@ -47,12 +59,23 @@ class Group:
     gid: int
     name: str
     desc: str
-    ranks: tuple[int, ...]
+    #: global ranks in group order; a ``range`` for a default group inferred from
+    #: a world too large to list (``JobModel.silent_listed`` false)
+    ranks: Sequence[int]
     ranks_known: bool
     local: dict[int, int] = field(default_factory=dict)  # rank -> index in its digest
+    #: False when the members are too many to list in a job whose world is a claim
+    #: the dumps do not bear out (``JobModel.unlisted``): reports give counts and ranges
+    listed: bool = True
+    _ref: GroupRef | None = None
 
     def ref(self) -> GroupRef:
-        return GroupRef(self.name, self.desc, self.ranks)
+        if self._ref is None:
+            ranks = self.ranks
+            if not self.listed and not isinstance(ranks, range):
+                ranks = RankSet.of(ranks)  # rendered from spans, never per rank
+            self._ref = GroupRef(self.name, self.desc, ranks, listed=self.listed)
+        return self._ref
 
     @property
     def is_default(self) -> bool:
@@ -72,7 +95,8 @@ class JobModel:
     """The merged job: digests by rank, global groups, and per-rank views."""
 
     digests: dict[int, RankDigest]
-    world: tuple[int, ...]
+    #: ranks ``0 .. max(world_size, highest rank seen + 1) - 1``, never materialised
+    world: range
     world_size: int | None
     groups: list[Group]
     group_of: dict[tuple[int, int], int]
@@ -80,12 +104,77 @@ class JobModel:
     now_known: bool
     #: some dump shows GPU progress (``started`` states): NCCL semantics apply
     gpu_states: bool = False
+    #: the ranks of ``world`` without a dump
+    missing: RankSet = field(default_factory=RankSet)
+    #: the part of ``missing`` too many to name one by one (``rankset.listable``),
+    #: held only as ranges; empty for a job whose missing ranks are listable
+    unlisted: RankSet = field(default_factory=RankSet)
     _views: dict[tuple[int, int], _RankGroupView] = field(default_factory=dict)
     _blocked: dict[int, int | None] = field(default_factory=dict)
+    _dumped: dict[int, list[int]] = field(default_factory=dict)
+    _named: RankSet | None = None
+    _split: dict[int, tuple[list[int], RankSet]] = field(default_factory=dict)
 
     @property
-    def missing_dumps(self) -> list[int]:
-        return [r for r in self.world if r not in self.digests]
+    def missing_dumps(self) -> RankSet:
+        """The ranks of the world that left no dump (ascending; sparse)."""
+        return self.missing
+
+    @property
+    def silent_listed(self) -> bool:
+        """True when every rank without a dump is named one by one
+        (``rankset.listable``): then every pass may walk the world as a list."""
+        return not self.unlisted
+
+    @property
+    def named_missing(self) -> RankSet:
+        """The ranks without a dump that are named one by one (a listable number)."""
+        if self._named is None:
+            self._named = self.missing.minus(self.unlisted) if self.unlisted else self.missing
+        return self._named
+
+    def member_split(self, gid: int) -> tuple[list[int], RankSet]:
+        """Group ``gid``'s members to judge one by one (with a dump, or named
+        without one: ``named_missing``), in group order, and the rest as a block.
+
+        A ``range`` costs the dumps and the named ranks without one; a tuple
+        costs its members once.
+        """
+        cached = self._split.get(gid)
+        if cached is not None:
+            return cached
+        ranks = self.groups[gid].ranks
+        named = self.named_missing
+        if isinstance(ranks, range) and ranks.step == 1:
+            kept = sorted([*self.dumped_members(gid), *(m for m in named if m in ranks)])
+            block = RankSet.difference(ranks, kept)
+        else:
+            kept = [m for m in ranks if m in self.digests or m in named]
+            block = RankSet.of(m for m in ranks if m not in self.digests and m not in named)
+        self._split[gid] = (kept, block)
+        return kept, block
+
+    def judged_one_by_one(self, gid: int) -> bool:
+        """False when group ``gid``'s members without a dump are too many to
+        name: a claimed world (``unlisted``), or a group listing more ranks than
+        the world holds and than can be listed."""
+        return not self.unlisted and self.groups[gid].listed
+
+    def dumped_members(self, gid: int) -> list[int]:
+        """The members of group ``gid`` that left a dump, in group order; costs
+        the smaller of the group and the dumps (a claimed world is never walked)."""
+        cached = self._dumped.get(gid)
+        if cached is not None:
+            return cached
+        ranks = self.groups[gid].ranks
+        if isinstance(ranks, range) and len(ranks) > len(self.digests):
+            out = [r for r in sorted(self.digests) if r in ranks]
+            if ranks.step < 0:
+                out.reverse()
+        else:
+            out = [r for r in ranks if r in self.digests]
+        self._dumped[gid] = out
+        return out
 
     def view(self, rank: int, gid: int) -> _RankGroupView | None:
         """Rows of ``rank``'s digest in group ``gid`` (None if it has none)."""
@@ -199,8 +288,8 @@ class JobModel:
         if gid is None:
             return False
         seq = int(d.seq[row])
-        for member in self.groups[gid].ranks:
-            if member == rank or member not in self.digests:
+        for member in self.dumped_members(gid):
+            if member == rank:
                 continue
             view = self.view(member, gid)
             if view is None or len(view.coll_rows) == 0 or not \
@@ -292,6 +381,8 @@ _SHA1_NAME = re.compile(r"^[0-9a-f]{40}$")
 #: salts tried: PyTorch appends a group counter (``_world.group_count`` in 2.15,
 #: ``len(_world.pg_names)`` in 2.13) to the joined ranks before hashing
 _MAX_SALT = 4096
+#: silent ranks tried as members of a hashed group name (beyond, only the ranks seen)
+_MAX_SILENT_CANDIDATES = 4096
 
 
 #: SHA-1 computations allowed per job for membership recovery: a base (about
@@ -327,7 +418,7 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int
     # Candidates with silent ranks first: "0_1_2" salted "_3" is also "0_1_2_3"
     # unsalted, and a silent rank whose addition reproduces the name is a member.
     candidates: list[tuple[int, ...]] = []
-    if silent and len(silent) <= 4096:
+    if silent and len(silent) <= _MAX_SILENT_CANDIDATES:
         candidates.append(tuple(sorted({*seen, *silent})))
         if len(silent) <= 16:
             candidates.extend(tuple(sorted({*seen, r})) for r in silent)
@@ -355,6 +446,34 @@ def _members_from_hashed_name(name: str, seen: tuple[int, ...], silent: list[int
     return None
 
 
+def _named_silent(digests: dict[int, RankDigest], missing: RankSet,
+                  highest: int) -> RankSet:
+    """The ranks without a dump to name one by one when not all of them can be.
+
+    Evidence beyond the size claim: the holes below the highest rank with a dump
+    (its dump proves they existed) and the members of groups the dumps list,
+    both while listable (``rankset.listable``); failing that the holes alone;
+    failing that none.
+    """
+    bound = max(LISTED_RANKS_FLOOR, len(digests))
+    holes = missing.clip(range(highest + 1))
+    if len(holes) > bound:
+        return RankSet()
+    named = set(holes)
+    seen: set[int] = set()
+    for d in digests.values():
+        for info in d.groups:
+            if info.ranks is None or id(info.ranks) in seen:
+                continue
+            seen.add(id(info.ranks))
+            if len(info.ranks) > bound:
+                return RankSet.of(named) if len(named) <= bound else holes
+            named.update(r for r in info.ranks if r in missing)
+            if len(named) > bound:
+                return holes
+    return RankSet.of(named)
+
+
 def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) -> JobModel:
     """Merge ``digests`` into a :class:`JobModel`."""
     notes: list[str] = []
@@ -368,13 +487,24 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         notes.append(f"dumps disagree on the world size ({sorted(sizes)}); using {known_size}")
     highest = max(digests) if digests else -1
     if known_size is None:
-        world = tuple(range(highest + 1))
+        world = range(highest + 1)
         notes.append(
             "world size unknown (native dumps do not record it): ranks above "
             f"{highest} would be invisible; pass --world-size to check for them"
         )
     else:
-        world = tuple(range(max(known_size, highest + 1)))
+        world = range(max(known_size, highest + 1))
+    missing = RankSet.difference(world, digests)
+    # A world few enough ranks short is listed as before; beyond that, the ranks
+    # only the size claim implies are ranges, and the default group's inferred
+    # members stay a range (docs/security.md, "world size").
+    listed = listable(len(missing), len(digests))
+    unlisted = RankSet()
+    if not listed:
+        unlisted = missing.minus(_named_silent(digests, missing, highest))
+    named_missing = missing.minus(unlisted)
+    silent_ranks: list[int] = (list(named_missing)
+                               if len(named_missing) <= _MAX_SILENT_CANDIDATES else [])
 
     # Key groups by (name, members); unknown members are resolved below.
     known: dict[tuple[str, tuple[int, ...]], Group] = {}
@@ -419,12 +549,12 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             continue
         descs = {info.desc for _, _, info in leftovers if info.desc}
         desc = "default_pg" if "default_pg" in descs else (sorted(descs)[0] if descs else "")
+        members: Sequence[int]
         if desc == "default_pg":
-            members = world
+            members = tuple(world) if listed else world
         else:
             members = tuple(sorted({rank for rank, _, _ in leftovers}))
-            silent = [r for r in world if r not in digests]
-            named = _members_from_hashed_name(name, members, silent, budget)
+            named = _members_from_hashed_name(name, members, silent_ranks, budget)
             if named is not None:
                 if named != members:
                     recovered.append(f"{name[:12]}… (ranks {format_ranks(list(named))})")
@@ -445,7 +575,12 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             "group membership not in the dumps (gloo) for group(s) "
             f"{', '.join(sorted(inferred)[:8])}: inferred from which ranks' dumps name them"
         )
-    groups.sort(key=lambda g: (not g.is_default, g.name, g.ranks))
+    groups.sort(key=lambda g: (not g.is_default, g.name, _members_key(g.ranks)))
+    # Listed as before: every group of a listable world no larger than the world;
+    # beyond either, only groups within the listing bound.
+    for grp in groups:
+        grp.listed = listable(len(grp.ranks), len(digests)) or (
+            not unlisted and len(grp.ranks) <= len(world))
     group_of: dict[tuple[int, int], int] = {}
     for gid, group in enumerate(groups):
         group.gid = gid
@@ -468,4 +603,35 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         notes=notes,
         now_known=now_known,
         gpu_states=gpu_states,
+        missing=missing,
+        unlisted=unlisted,
     )
+
+
+@functools.total_ordering
+class _members_key:
+    """Orders member lists as tuples do, without copying a ``range`` into one."""
+
+    __slots__ = ("ranks",)
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = ranks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _members_key) and _compare(self.ranks, other.ranks) == 0
+
+    def __lt__(self, other: _members_key) -> bool:
+        return _compare(self.ranks, other.ranks) < 0
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _compare(a: Sequence[int], b: Sequence[int]) -> int:
+    """Lexicographic comparison, stopping at the first difference."""
+    if isinstance(a, range) and isinstance(b, range) and a.step == b.step == 1 \
+            and len(a) and len(b) and a.start == b.start:
+        return (len(a) > len(b)) - (len(a) < len(b))
+    for x, y in zip(a, b):  # noqa: B905 - lengths differ on purpose
+        if x != y:
+            return -1 if x < y else 1
+    return (len(a) > len(b)) - (len(a) < len(b))

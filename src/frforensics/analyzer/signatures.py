@@ -9,7 +9,8 @@ seq compares different calls. A ring that evicted entries may have cut its
 oldest coalesced block in two, so a rank's oldest seq in such a window is not
 compared when it may be a cut block (``_maybe_cut``); a single plain
 collective there (nothing to cut), or a block whose consecutive records follow
-an older record the ring still holds, is.
+an older record the ring still holds, is; so is every oldest unit of a window
+cut by ``--window`` (``whole_oldest``: that cut never splits a block).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         return None
     d = job.digests[rank]
     rows = view.coll_rows
-    if job.window_evicted(rank) and _maybe_cut(job, rank, rows, view.min_seq):
+    if job.window_evicted(rank) and not d.whole_oldest \
+            and _maybe_cut(job, rank, rows, view.min_seq):
         rows = rows[d.seq[rows] != view.min_seq]
         if len(rows) == 0:
             return None
@@ -110,7 +112,7 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     """Every group's first mismatch per field (op, then size, then dtype)."""
     found: list[Mismatch] = []
     for group in job.groups:
-        parts = [u for r in group.ranks if r in job.digests
+        parts = [u for r in job.dumped_members(group.gid)
                  if (u := units(job, r, group.gid)) is not None]
         if len(parts) < 2:
             continue

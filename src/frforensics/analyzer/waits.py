@@ -26,11 +26,18 @@ a data loader)::
     rank 3: no unfinished op              -> root
 
     roots = {3}: every chain ends there; ranks 0, 1, 2 are only waiting.
+
+A claimed world too large to list (``JobModel.silent_listed`` false: four dumps
+that say 2^20 ranks) is never walked per rank: a collective of the default
+group waits for the members with dumps that did not enter it, as above, and for
+the members without a dump as one block (``Wait.unlisted``), whose chains end
+at ``WaitGraph.unlisted`` — a root standing for all of them, never a rank.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,6 +47,7 @@ import numpy.typing as npt
 from frforensics.analyzer.digest import EntryDetail
 from frforensics.analyzer.merge import RECV_HASH, SEND_HASH, JobModel
 from frforensics.model import OpState
+from frforensics.rankset import EMPTY, RankSet
 
 __all__ = ["Cycle", "P2PPairing", "Root", "Wait", "WaitGraph", "build_wait_graph"]
 
@@ -63,6 +71,9 @@ class Wait:
     detail: EntryDetail | None
     confidence: str = "exact"
     p2p: tuple[P2PPairing, ...] = ()  # every pending send/recv of the batch, paired
+    #: members without a dump waited for as one block (a claimed world too large
+    #: to list); they are not in ``on``
+    unlisted: RankSet = EMPTY
 
     @property
     def location(self) -> str | None:
@@ -100,6 +111,11 @@ class WaitGraph:
     roots: dict[int, Root]
     cycles: list[Cycle]
     young: list[int]  # ranks whose unfinished op is too recent to call a hang
+    #: where chains end in ranks without a dump too many to list (``Wait.unlisted``):
+    #: ``rank`` -1, kind ``no_dump``; None when no wait has such a block
+    unlisted: Root | None = None
+    #: the ranks of that block (every ``Wait.unlisted`` together)
+    unlisted_ranks: RankSet = EMPTY
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +331,7 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
     """
     waits: dict[int, Wait] = {}
     young: list[int] = []
-    coll_cache: dict[tuple[int, int], dict[int, str]] = {}
+    coll_cache: dict[tuple[int, int], tuple[dict[int, str], RankSet]] = {}
     for rank, d in sorted(job.digests.items()):
         blocked = job.blocked_row(rank)
         if blocked is None:
@@ -341,16 +357,21 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
                                reasons, (), age, detail, confidence, tuple(pairings))
             continue
         seq = int(d.seq[row])
-        status = coll_cache.get((gid, seq))
-        if status is None:
-            status = {}
+        cached = coll_cache.get((gid, seq))
+        if cached is None:
+            status: dict[int, str] = {}
+            unlisted = EMPTY
             issued = int(d.t_enqueue_ns[row])
-            for member in job.groups[gid].ranks:
+            members: Sequence[int] = job.groups[gid].ranks
+            if not job.judged_one_by_one(gid):  # too many without a dump: one block
+                members, unlisted = job.member_split(gid)
+            for member in members:
                 if member not in job.digests:
                     status[member] = "no_dump"
                 else:
                     status[member] = job.entered(member, gid, seq, issued_ns=issued)
-            coll_cache[(gid, seq)] = status
+            cached = coll_cache[(gid, seq)] = (status, unlisted)
+        status, unlisted = cached
         if any(s == "completed" for s in status.values()):
             # A collective completes on all members or none: members that finished
             # it prove it ran. This rank's entry is ``started`` (blocked_row skips
@@ -364,10 +385,42 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
                         if m != rank and s in ("not_entered", "no_dump", "queued"))
         entered = tuple(m for m, s in status.items() if s in ("entered", "completed"))
         waits[rank] = Wait(rank, row, gid, seq, "collective", op, on_coll,
-                           {m: status[m] for m in on_coll}, entered, age, detail)
+                           {m: status[m] for m in on_coll}, entered, age, detail,
+                           unlisted=unlisted)
 
     roots, cycles = _chains(job, waits)
-    return WaitGraph(waits=waits, roots=roots, cycles=cycles, young=young)
+    graph = WaitGraph(waits=waits, roots=roots, cycles=cycles, young=young)
+    blocks = {w.unlisted for w in waits.values() if w.unlisted}
+    if blocks:
+        graph.unlisted_ranks = RankSet(s for b in blocks for s in b.spans)
+        graph.unlisted = _unlisted_root(waits)
+    return graph
+
+
+#: the end of chains that wait on a block of unlisted ranks without a dump
+_UNLISTED = -1
+
+
+def _unlisted_root(waits: dict[int, Wait]) -> Root:
+    """The root standing for every unlisted rank without a dump: its waiters are
+    the ranks whose chains end there (iteratively, as ``_chains``)."""
+    root = Root(_UNLISTED, "no_dump")
+    root.direct = [w for w in waits.values() if w.unlisted]
+    # every rank whose chain reaches a waiter of the block reaches the block
+    reached = {w.rank for w in root.direct}
+    back: dict[int, list[int]] = defaultdict(list)
+    for r, w in waits.items():
+        for t in w.on:
+            back[t].append(r)
+    todo = list(reached)
+    while todo:
+        cur = todo.pop()
+        for prev in back.get(cur, ()):
+            if prev not in reached:
+                reached.add(prev)
+                todo.append(prev)
+    root.waiters = reached
+    return root
 
 
 def _chains(job: JobModel, waits: dict[int, Wait]) -> tuple[dict[int, Root], list[Cycle]]:
@@ -403,6 +456,9 @@ def _chains(job: JobModel, waits: dict[int, Wait]) -> tuple[dict[int, Root], lis
                 ends[r] = result
             continue
         r = comp[0]
+        if r in waits and not waits[r].on and waits[r].unlisted:
+            ends[r] = frozenset({("unlisted", _UNLISTED)})
+            continue
         if r not in waits or not waits[r].on:
             ends[r] = frozenset({("root", r)})
             continue
@@ -417,6 +473,8 @@ def _chains(job: JobModel, waits: dict[int, Wait]) -> tuple[dict[int, Root], lis
             if end_kind == "cycle":
                 if rank not in cycles[key].ranks:
                     cycles[key].waiters.add(rank)
+            elif end_kind == "unlisted":
+                continue  # WaitGraph.unlisted
             elif key != rank or not wait.on:
                 root = roots.get(key)
                 if root is None:

@@ -39,7 +39,7 @@
  *                  out_dtypes, thread, in_sizes, out_sizes (str() of the sizes),
  *                  stack (index into the stack table, -1 = no frames)
  *   i64 columns    in_numel, out_numel, record_id, seq, p2p_seq, t_enqueue,
- *                  t_start, t_complete, timeout_ms
+ *                  t_start, t_complete, timeout_ms, duration (ns, -1 = unknown)
  *   u8 columns     is_p2p, retired
  *   frame table    frame_file, frame_name (i32 string ids), frame_line (i64)
  *   stack table    stack_offsets (i32, n_stacks + 1), stack_frames (i32 frame ids)
@@ -47,6 +47,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -93,7 +94,7 @@ enum {
     K_INPUT_DTYPES, K_STATE, K_RETIRED, K_RECORD_ID, K_COLLECTIVE_SEQ_ID, K_P2P_SEQ_ID,
     K_TIME_CREATED, K_TIME_STARTED, K_TIME_COMPLETED, K_TIMEOUT_MS,
     N_REQUIRED,
-    K_OUTPUT_DTYPES = N_REQUIRED, K_THREAD_NAME, K_FRAMES,
+    K_OUTPUT_DTYPES = N_REQUIRED, K_THREAD_NAME, K_FRAMES, K_DURATION,
     N_ENTRY_KEYS,
     K_FILENAME = N_ENTRY_KEYS, K_LINE, K_NAME, K_ENTRIES, K_EMPTY,
     N_KEYS
@@ -103,8 +104,8 @@ static const char *const KEY_NAMES[N_KEYS] = {
     "process_group", "profiling_name", "is_p2p", "input_sizes", "output_sizes",
     "input_dtypes", "state", "retired", "record_id", "collective_seq_id", "p2p_seq_id",
     "time_created_ns", "time_discovered_started_ns", "time_discovered_completed_ns",
-    "timeout_ms", "output_dtypes", "thread_name", "frames", "filename", "line", "name",
-    "entries", "",
+    "timeout_ms", "output_dtypes", "thread_name", "frames", "duration_ms", "filename", "line",
+    "name", "entries", "",
 };
 
 typedef struct {
@@ -1000,13 +1001,36 @@ static const char *const I32_NAMES[N_I32] = {
     "pg_name", "pg_desc", "profiling_name", "state", "in_dtypes", "out_dtypes", "thread",
     "in_sizes", "out_sizes", "stack"};
 enum { C_IN_NUMEL, C_OUT_NUMEL, C_RECORD_ID, C_SEQ, C_P2P_SEQ, C_T_ENQ, C_T_START, C_T_DONE,
-       C_TIMEOUT, N_I64 };
+       C_TIMEOUT, C_DURATION, N_I64 };
 static const char *const I64_NAMES[N_I64] = {
     "in_numel", "out_numel", "record_id", "seq", "p2p_seq", "t_enqueue", "t_start",
-    "t_complete", "timeout_ms"};
+    "t_complete", "timeout_ms", "duration"};
 /* entry keys holding plain integer columns, in I64 column order from C_RECORD_ID */
 static const int INT_KEYS[] = {K_RECORD_ID, K_COLLECTIVE_SEQ_ID, K_P2P_SEQ_ID, K_TIME_CREATED,
                                K_TIME_STARTED, K_TIME_COMPLETED, K_TIMEOUT_MS};
+
+/* duration_ms (optional, a float of ms) in ns, as the Python reader's _durations:
+ * floor(ms * 1e6 + 0.5) in double precision for a number in [0, 2**62 / 1e6) ms;
+ * -1 (unknown) for anything else: absent, None, bool, str, NaN, negative, huge. */
+#define MAX_DURATION_MS (4611686018427387904.0 / 1e6)
+
+static int64_t read_duration(Scan *s, int32_t node) {
+    if (node < 0)
+        return -1;
+    Node *nd = N(s, node);
+    double ms;
+    if (nd->tag == T_FLOAT)
+        memcpy(&ms, &nd->v, sizeof ms);
+    else if (nd->tag == T_INT)
+        ms = (double)nd->v;
+    else
+        return -1;
+    if (!(ms >= 0.0 && ms < MAX_DURATION_MS))
+        return -1;
+    volatile double scaled = ms * 1e6; /* rounded to double here, never fused */
+    volatile double half_up = scaled + 0.5;
+    return (int64_t)floor(half_up);
+}
 
 static int set_array(PyObject *dict, const char *name, const void *p, Py_ssize_t bytes) {
     PyObject *arr = PyByteArray_FromStringAndSize(p, bytes);
@@ -1110,6 +1134,7 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
                           &i64[C_RECORD_ID + k][i]);
         if (rc != OK)
             break;
+        i64[C_DURATION][i] = read_duration(s, f[K_DURATION]);
         rc = read_stack(s, f[K_FRAMES], &i32[C_STACK][i]);
     }
     if (rc != OK)

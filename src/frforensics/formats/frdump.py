@@ -49,6 +49,7 @@ from frforensics.errors import (
     NotADumpError,
     UnsupportedVersionError,
 )
+from frforensics.formats._shared import shared_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     ENTRY_COLUMNS,
@@ -348,6 +349,18 @@ def _group_ranks(raw: Any, source: str, limits: Limits) -> tuple[int, ...] | Non
         return None
     if isinstance(raw, dict):
         arith = raw.get("arith")
+        if isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith):
+            return shared_ranks(("arith", limits.max_rank, *arith), arith[2],
+                                lambda: _parse_group_ranks(raw, source, limits))
+    elif isinstance(raw, bytes):
+        return shared_ranks(("packed", limits.max_rank, raw), len(raw) // 4,
+                            lambda: _parse_group_ranks(raw, source, limits))
+    return _parse_group_ranks(raw, source, limits)
+
+
+def _parse_group_ranks(raw: Any, source: str, limits: Limits) -> tuple[int, ...] | None:
+    if isinstance(raw, dict):
+        arith = raw.get("arith")
         if (isinstance(arith, list) and len(arith) == 3 and all(type(x) is int for x in arith)
                 and arith[1] > 0 and 0 <= arith[2] <= limits.max_rank and arith[0] >= 0
                 and arith[0] + arith[1] * max(arith[2] - 1, 0) < limits.max_rank):
@@ -388,6 +401,7 @@ def _check_columns(entries: EntryTable, source: str, limits: Limits) -> None:
     for name in ("t_enqueue_ns", "t_start_ns", "t_complete_ns", "timeout_ms", "in_numel",
                  "out_numel"):
         within(name, 0, 1 << 62)
+    within("duration_ns", NO_INDEX, 1 << 62)  # NO_INDEX: unknown (files before it: absent)
 
 
 def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> RankTrace:
@@ -408,7 +422,7 @@ def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> 
     if not len(f_file) == len(f_line) == len(f_name):
         raise CorruptDumpError(f"{source}: frame table columns differ in length")
     frames = [
-        Frame(text(int(a)), int(b), text(int(c)))
+        Frame(text(a), b, text(c))
         for a, b, c in zip(f_file.tolist(), f_line.tolist(), f_name.tolist(), strict=True)
     ]
     n_frames = len(frames)
@@ -417,7 +431,7 @@ def _decode_doc(doc: dict[str, Any], source: str, limits: Limits, size: int) -> 
         ids = _int_column(raw, "stack", source).tolist()
         if ids and (min(ids) < 0 or max(ids) >= n_frames):
             raise CorruptDumpError(f"{source}: stack refers to a missing frame")
-        stacks.append(tuple(frames[i] for i in ids))
+        stacks.append(tuple(map(frames.__getitem__, ids)))
 
     def stack_at(index: Any) -> tuple[Frame, ...]:
         return stacks[index] if isinstance(index, int) and 0 <= index < len(stacks) else ()

@@ -33,6 +33,7 @@ import os
 import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from functools import partial
 from itertools import chain, pairwise, repeat
 from operator import itemgetter
 from typing import Any, Final, NamedTuple, NoReturn
@@ -46,6 +47,7 @@ from frforensics.errors import (
     NotADumpError,
     UnsafeDumpError,
 )
+from frforensics.formats._shared import shared_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     NO_INDEX,
@@ -458,6 +460,7 @@ class _Columns(NamedTuple):
     t_start: np.ndarray
     t_complete: np.ndarray
     timeout_ms: np.ndarray
+    duration_ns: np.ndarray  # NO_INDEX: unknown (see _durations)
 
 
 _SEQ_TYPES: Final = frozenset({list, tuple})
@@ -533,6 +536,40 @@ def _mark_finished(state: np.ndarray, retired: np.ndarray, t_complete: np.ndarra
     state[retired | (t_complete != 0)] = OpState.COMPLETED
 
 
+#: Largest ``duration_ms`` taken as a duration (past it, ns would leave int64).
+_MAX_DURATION_MS: Final = float(1 << 62) / 1e6
+_NUMBER_TYPES: Final = frozenset({int, float})
+
+
+def _durations(entries: list[dict[str, Any]]) -> np.ndarray:
+    """Each entry's ``duration_ms`` in ns; ``NO_INDEX`` where absent or not a duration.
+
+    PyTorch writes the key only for entries retired with timing on (a float of
+    milliseconds, ``getDurationFromEvent``; docs/native-format.md). Anything else
+    there (``None``, a bool, a string, a container, NaN, a negative or huge
+    number) is damage and reads as unknown: the field is optional, so it never
+    makes a dump unreadable. Milliseconds become ns as ``floor(ms * 1e6 + 0.5)``
+    in float64, as the C scanner does, so both give the same integers.
+    """
+    raw: list[Any] = list(map(dict.get, entries, repeat("duration_ms")))
+    out = np.full(len(raw), NO_INDEX, dtype=np.int64)
+    types = set(map(type, raw))
+    if types <= {type(None)}:  # timing off (the default): no entry has one
+        return out
+    if types <= {float, type(None)}:  # the usual case, at C speed (None -> NaN)
+        values = np.array(raw, dtype=np.float64)
+        rows = np.arange(len(raw), dtype=np.intp)
+    else:
+        picked = [i for i, v in enumerate(raw) if type(v) in _NUMBER_TYPES]
+        # a huge int would overflow float(): past the range it is no duration anyway
+        values = np.array([float(raw[i]) if -1e300 < raw[i] < 1e300 else math.nan
+                           for i in picked], dtype=np.float64)
+        rows = np.asarray(picked, dtype=np.intp)
+    ok = (values >= 0) & (values < _MAX_DURATION_MS)  # NaN compares False
+    out[rows[ok]] = np.floor(values[ok] * 1e6 + 0.5).astype(np.int64)
+    return out
+
+
 def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context,
                   limits: Limits = DEFAULT_LIMITS) -> _Columns:
     """Column-at-a-time reader for uniform documents (every entry has every key).
@@ -588,6 +625,7 @@ def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context,
         t_start=_bulk_int(col["time_discovered_started_ns"], none_is_zero=True),
         t_complete=t_complete,
         timeout_ms=_bulk_int(col["timeout_ms"], none_is_zero=True),
+        duration_ns=_durations(entries),
     )
 
 
@@ -662,6 +700,7 @@ def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str,
         t_start=col("time_discovered_started_ns"),
         t_complete=t_complete,
         timeout_ms=col("timeout_ms"),
+        duration_ns=_durations(entries),
     )
 
 
@@ -948,7 +987,9 @@ def _header(
             continue  # gloo writes {'': {name: '', desc: '', ranks: '[]'}}
         raw = cfg.get("ranks")
         if id(raw) not in ranks_of:
-            ranks_of[id(raw)] = _parse_ranks(raw, limits)
+            ranks_of[id(raw)] = (
+                shared_ranks(("text", limits.max_rank, raw), len(raw) // 4, partial(_parse_ranks, raw, limits))
+                if isinstance(raw, str) else _parse_ranks(raw, limits))
         config[name] = (_cut(_as_str(cfg.get("desc")), limits), ranks_of[id(raw)])
     version = _cut(_as_str(doc.get("version")), limits)
     # keys are named through _as_str: a tuple key is never stringified in depth
@@ -1012,6 +1053,7 @@ def _assemble(
             "t_start_ns": cols.t_start,
             "t_complete_ns": cols.t_complete,
             "timeout_ms": cols.timeout_ms,
+            "duration_ns": cols.duration_ns,
             "thread": details.thread,
             "stack": stack,
         },
@@ -1122,6 +1164,8 @@ def pickle_to_trace(
                                 limits.max_string_chars) if scanner_available() else None)
     if isinstance(scanned, str):
         raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
+    if scanned is not None and "duration" not in scanned:
+        scanned = None  # a scanner compiled before duration_ms was read: the Python reader
     if scanned is None:
         doc = decode_pickle(data, source=source)
         return to_trace(doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank,
@@ -1187,6 +1231,7 @@ def _trace_from_scan(
         t_start=col("t_start", np.int64),
         t_complete=t_complete,
         timeout_ms=col("timeout_ms", np.int64),
+        duration_ns=col("duration", np.int64),
     )
 
     # report-only columns, interned row by row in the Python reader's order

@@ -98,6 +98,9 @@ class VerdictAgent(threading.Thread):
         self.incident = 0
         self.incidents: dict[int, _Incident] = {}
         self.started_wall_ns = time.time_ns()
+        #: when each incident after the first opened (``rearm``): a dump file
+        #: older than that belongs to an earlier incident
+        self.opened_wall_ns: dict[int, int] = {}
         self.last: dict[str, Any] | None = None
         self.learned = threading.Condition()
         self.lock = threading.Lock()
@@ -155,6 +158,7 @@ class VerdictAgent(threading.Thread):
         with self.lock:
             self.incident += 1
             k = self.incident
+            self.opened_wall_ns[k] = time.time_ns()
         if rank is not None:
             rec.rank = int(rank)
         if world_size is not None:
@@ -442,8 +446,9 @@ class VerdictAgent(threading.Thread):
                 digests[r] = str(target)
         if self.config.verdict_source != "store":
             # Ranks that dumped but never announced (died before the store knew):
-            # their files, when written by this run.
-            floor = self.started_wall_ns - 120 * 10**9
+            # their files, when written by this run and for this incident (after a
+            # recovery, a frozen rank's file from the incident before is stale).
+            floor = max(self.started_wall_ns - 120 * 10**9, self.opened_wall_ns.get(k, 0))
             for r in range(world):
                 if r in files or r in digests:
                     continue

@@ -4,8 +4,10 @@ and ranks grouped by state (ranges, so 10,000 ranks stay a few rows)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from frforensics.rankset import RankSet
 from frforensics.report import Finding, Report, Severity, Status, code_sides, format_ranks
 
 __all__ = ["RankState", "action_lines", "code_sides", "culprit_label", "rank_states", "seq_label",
@@ -19,7 +21,8 @@ class RankState:
     """Ranks that were doing the same thing at dump time."""
 
     state: str
-    ranks: tuple[int, ...]
+    #: a tuple, or the report's RankSet of ranks without a dump (too many to list)
+    ranks: Sequence[int]
 
     @property
     def ranks_label(self) -> str:
@@ -89,9 +92,11 @@ def rank_states(report: Report) -> list[RankState]:
         else:
             key = "not blocked in any recorded op"
         groups[key].append(rank)
-    if report.ranks_missing:
-        groups["no dump"] = list(report.ranks_missing)
     states = [RankState(k, tuple(sorted(v))) for k, v in groups.items()]
+    if report.ranks_missing:
+        missing = report.ranks_missing
+        states.append(RankState("no dump", missing if isinstance(missing, RankSet)
+                                else tuple(sorted(missing))))
     states.sort(key=lambda s: (-len(s.ranks), s.ranks[0]))
     return states
 
@@ -103,3 +108,26 @@ STATUS_WORD = {
     Status.DESYNC: "DESYNC",
     Status.UNREADABLE: "UNREADABLE",
 }
+
+
+#: ranks a drawn timeline (HTML) shows at most
+TIMELINE_RANKS = 32
+
+
+def timeline_ranks(report: Report, available: Collection[int], limit: int) -> list[int]:
+    """The ranks a drawn timeline shows: culprits first, then a few ranks of each
+    state, filled up in rank order; at most ``limit``, all from ``available``."""
+    chosen: list[int] = [r for r in report.culprit_ranks if r in available][:limit // 2]
+    states = rank_states(report)
+    per_state = max(1, (limit - len(chosen)) // max(1, len(states)))
+    for st in states:
+        for r in st.ranks[:per_state]:
+            if r in available and r not in chosen and len(chosen) < limit:
+                chosen.append(r)
+    for r in sorted(available):  # fill up, small jobs show every rank
+        if len(chosen) >= limit:
+            break
+        if r not in chosen:
+            chosen.append(r)
+    chosen.sort(key=lambda r: (r not in report.culprit_ranks, r))
+    return chosen

@@ -32,13 +32,15 @@ from frforensics.report import (
 from frforensics.reporting._shared import (
     MAX_STATES,
     STATUS_WORD,
+    TIMELINE_RANKS,
     culprit_label,
     rank_states,
     seq_label,
+    timeline_ranks,
     top_finding,
 )
 
-MAX_TIMELINE_RANKS = 32
+MAX_TIMELINE_RANKS = TIMELINE_RANKS
 OPS_PER_RANK = 16
 WINDOW_OPS = 8
 MAX_FINDINGS = 20
@@ -212,20 +214,9 @@ def _states(report: Report) -> str:
 def _pick_ranks(report: Report) -> tuple[list[RankTimeline], int]:
     """Culprits first, then a few ranks of each state; at most MAX_TIMELINE_RANKS."""
     by_rank = {t.rank: t for t in report.timeline}
-    chosen: list[int] = [r for r in report.culprit_ranks if r in by_rank][:MAX_TIMELINE_RANKS // 2]
-    states = rank_states(report)
-    per_state = max(1, (MAX_TIMELINE_RANKS - len(chosen)) // max(1, len(states)))
-    for st in states:
-        for r in st.ranks[:per_state]:
-            if r in by_rank and r not in chosen and len(chosen) < MAX_TIMELINE_RANKS:
-                chosen.append(r)
-    for r in sorted(by_rank):  # fill up, small jobs show every rank
-        if len(chosen) >= MAX_TIMELINE_RANKS:
-            break
-        if r not in chosen:
-            chosen.append(r)
-    chosen.sort(key=lambda r: (r not in report.culprit_ranks, r))
-    return [by_rank[r] for r in chosen], len(by_rank) - len(chosen)
+    chosen = timeline_ranks(report, by_rank, MAX_TIMELINE_RANKS)
+    # (a large job's report holds timelines of the shown ranks only: count the loaded)
+    return [by_rank[r] for r in chosen], max(len(by_rank), len(report.ranks_loaded)) - len(chosen)
 
 
 def _op_end(op: TimelineOp, now_ns: int) -> int:

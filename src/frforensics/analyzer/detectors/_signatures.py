@@ -142,8 +142,8 @@ def _analog_reference(ctx: Context, m: Mismatch) -> int | None:
     for other in ctx.job.groups:
         if other.gid == m.gid or other.desc != group.desc or len(other.ranks) != len(group.ranks):
             continue
-        for rank in other.ranks:
-            if rank in ctx.job.digests and rank not in m.raw:
+        for rank in ctx.job.dumped_members(other.gid):
+            if rank not in m.raw:
                 value = _value_at(ctx, rank, other.gid, m.seq, m.field)
                 if value is not None:
                     votes[value] += 1

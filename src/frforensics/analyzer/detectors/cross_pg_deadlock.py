@@ -206,7 +206,7 @@ def detect(ctx: Context) -> list[Finding]:
                 "groups": [ctx.pg(g).to_json() | {"blocked_ranks": sum(
                     1 for w in ctx.graph.waits.values() if w.gid == g)} for g in groups],
                 "cycle": [{"rank": w.rank, "pg": ctx.job.groups[w.gid].name,
-                           "pg_ranks": list(ctx.job.groups[w.gid].ranks), "op": w.op,
+                           "pg_ranks": ctx.pg(w.gid).to_json()["ranks"], "op": w.op,
                            "seq": w.seq, "seq_kind": w.seq_kind, "waits_for": list(w.on),
                            "location": w.location,
                            "order": _check_json(checks[w.rank])}
@@ -288,7 +288,7 @@ def _deviants(ctx: Context, waits: list[Wait]) -> set[int]:
     by_rank = {w.rank: w for w in waits}
     # References: ranks of the cycle's own groups. Analogs elsewhere (another
     # pipeline stage) number their groups' seqs differently, and outvote them.
-    pool = sorted(set().union(*(job.groups[w.gid].ranks for w in waits)) & set(job.digests))
+    pool = sorted(set().union(*(job.dumped_members(w.gid) for w in waits)))
     out: set[int] = set()
     for w in waits:
         others = set()

@@ -40,7 +40,7 @@ def detect(ctx: Context) -> list[Finding]:
             continue  # a clean exit at the end of the job
         candidates.append(rank)
     stale = stale_ranks(ctx)
-    candidates += [r for r in ctx.job.missing_dumps if r in stale]
+    candidates += [r for r in sorted(stale) if r in ctx.job.missing_dumps]
     victims: list[int] = []
     if stale:
         victims = [r for r in candidates if r not in stale and _died_of_peer_loss(ctx, r)]

@@ -11,13 +11,30 @@ Worked example (4 ranks, rank 3's node rebooted, no dump)::
 
     ranks 0-2 wait in all_reduce #12 on default_pg; rank 3: no file
     -> missing_dump, error, culprit 3, waiting ranks 0-2
+
+Too many to name: ranks without a dump are named one by one (a finding and a
+culprit each) while they number at most ``max(4096, dumps loaded)``
+(``rankset.listable``). Beyond that the world size is a claim that the dumps do
+not bear out — most of the job's dumps were not collected, or the size is wrong
+— and evicting a million GPUs on the word of one ``world_size`` field is worse
+than useless: such ranks are one finding, counted and written as ranges, with
+no culprit. It is still an error when dumped ranks wait on them (status hang).
+Ranks without a dump that other evidence names (a p2p peer, a member of a group
+listed in a dump, a stale heartbeat) keep their own findings.
+
+Worked example (4 dumps that each say ``world_size`` 1048576; ranks 0,1,3 wait
+in all_reduce #17 on default_pg, rank 2 never entered it)::
+
+    -> missing_rank, culprit 2; missing_dump, error, no culprit:
+       "1048572 ranks (4-1048575) left no dump ...", evidence silent_count 1048572
 """
 
 from __future__ import annotations
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors._roots import primary_wait, since
-from frforensics.report import Finding, FindingKind, Severity
+from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
+from frforensics.report import Finding, FindingKind, Severity, format_ranks
 
 
 def stale_ranks(ctx: Context) -> set[int]:
@@ -30,7 +47,11 @@ def detect(ctx: Context) -> list[Finding]:
     stale = stale_ranks(ctx)
     findings: list[Finding] = []
     silent: list[int] = []
-    for rank in ctx.job.missing_dumps:
+    listed = ctx.job.silent_listed
+    # Too many to list: the named ones, and those other evidence makes roots.
+    named = ctx.job.missing_dumps if listed else sorted({*ctx.job.named_missing, *(
+        r for r, root in ctx.graph.roots.items() if root.kind == "no_dump")})
+    for rank in named:
         if rank in stale:
             continue  # dead_rank reports it
         root = ctx.graph.roots.get(rank)
@@ -63,4 +84,58 @@ def detect(ctx: Context) -> list[Finding]:
             culprit_ranks=(),
             evidence={"ranks": silent},
         ))
+    if not listed or ctx.graph.unlisted is not None:
+        findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
+
+
+def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
+    """The ranks without a dump too many to name: one error finding for those
+    that dumped ranks wait on, one warning for the rest; counts and ranges."""
+    findings: list[Finding] = []
+    rest = ctx.job.unlisted.minus(named)
+    block = ctx.graph.unlisted
+    bound = max(LISTED_RANKS_FLOOR, len(ctx.job.digests))
+    claim = (f"the world size {ctx.job.world_size} is only a claim the dumps do not bear "
+             "out: most of the job's dumps were not collected, or the world size is wrong"
+             if ctx.job.world_size else "ranks are implied only by the highest rank seen")
+    waited = RankSet()
+    if block is not None:
+        waited = ctx.graph.unlisted_ranks.minus(named)
+        if waited and waited[-1] >= len(ctx.job.world):
+            claim = (f"a group lists ranks beyond the world of {len(ctx.job.world)}: the "
+                     "dumps disagree with each other, or one is damaged")
+        wait, direct = primary_wait(block)
+        if wait is not None and waited:
+            findings.append(Finding(
+                kind=FindingKind.MISSING_DUMP,
+                severity=Severity.ERROR,
+                message=(f"{len(waited)} ranks ({format_ranks(waited)}) left no dump, and ranks "
+                         f"{ctx.ranks({w.rank for w in direct})} wait for them in "
+                         f"{ctx.describe(wait)}{since(direct)}; too many to name one by one "
+                         f"(more than {bound}), so no culprit is named: {claim}. Collect "
+                         "their dumps (or pass the real --world-size) and analyze again"),
+                culprit_ranks=(),
+                waiting_ranks=tuple(sorted(block.waiters)),
+                pg=ctx.pg(wait.gid),
+                seq=wait.seq,
+                seq_kind=wait.seq_kind,
+                op=wait.op,
+                location=wait.location,
+                evidence={"direct_waiters": sorted({w.rank for w in direct}),
+                          "silent_count": len(waited), "silent_ranges": waited.ranges(),
+                          "too_many_to_name": bound},
+            ))
+    quiet = rest.minus(waited)
+    if quiet:
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.WARNING,
+            message=(f"no dump from {len(quiet)} ranks ({format_ranks(quiet)}); no other rank "
+                     f"waits on them, so the analysis is only incomplete ({claim})"),
+            culprit_ranks=(),
+            evidence={"ranks": None, "silent_count": len(quiet),
+                      "silent_ranges": quiet.ranges(), "too_many_to_name": bound},
+        ))
+    return findings
+

@@ -20,6 +20,15 @@ rank blamed in at least 3 collectives, at least 5 % of its own, and far more
 often than the typical rank, is a straggler. Severity warning (status
 ``degraded`` when alone): nothing hangs, the job is slow.
 
+NCCL dumps with GPU durations (PyTorch's ``duration_ms``, timing on) give both
+measures without any clock (:func:`_duration_lateness`): ``A = median(duration)
+- duration``, since a member's duration runs from when its GPU reached the op;
+and, as members were released together by the group's previous collective, a
+member's think time since then is the common time minus its durations since
+(``B``) and now: ``E = median(B + duration) - (B + duration)``. A rank that waited
+elsewhere has a long ``B`` and ``E`` about 0. Threshold: max(1 ms, 8 robust
+standard deviations of ``E``).
+
 Dumps without completion times (PyTorch's gloo recorder) fall back to enqueue
 times — never NCCL dumps, whose CPU runs ahead of the GPU (an enqueue time is
 not an arrival there): per-rank clock offsets are estimated as each rank's median arrival
@@ -51,6 +60,7 @@ import numpy as np
 import numpy.typing as npt
 
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.digest import RankDigest
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -187,6 +197,13 @@ class _Rows:
     by_seg: _Layout
     op_names: dict[int, str]
     resolution_ns: int
+    #: GPU duration of each row's op in ns (NaN: unknown), and the sum of the
+    #: durations of the rank's ops since its previous collective of the same group
+    #: (NaN: unknown); see :func:`_duration_lateness`
+    dur: F8 | None = None
+    between: F8 | None = None
+    #: how many ops (units) that sum covers
+    n_between: F8 | None = None
 
     @property
     def n_seg(self) -> int:
@@ -243,11 +260,14 @@ class _Gathered:
         luts: list[list[int]] = []
         cols: list[list[int]] = []
         canons: list[list[int]] = []  # a number per global group within the rank
-        members = [{r: i for i, r in enumerate(g.ranks)} for g in job.groups]
+        # a range (a claimed world too large to list) answers index lookups itself
+        members: list[dict[int, int] | range] = [
+            g.ranks if isinstance(g.ranks, range) else {r: i for i, r in enumerate(g.ranks)}
+            for g in job.groups]
         for rank, d in zip(ranks, digests, strict=True):
             lut = [job.group_of.get((rank, i), -1) for i in range(len(d.groups))]
             luts.append([*lut, -1])
-            cols.append([members[g].get(rank, -1) if g >= 0 else -1 for g in lut] + [-1])
+            cols.append([_member_index(members[g], rank) if g >= 0 else -1 for g in lut] + [-1])
             canons.append([lut.index(g) for g in lut] + [len(lut)])
         n_local = np.array([len(lut) - 1 for lut in luts], dtype=np.int64)
         base = np.zeros(len(ranks), dtype=np.int64)
@@ -299,17 +319,72 @@ class _Gathered:
         self.hi = dict(zip(present.tolist(), hi[present].tolist(), strict=True))
 
         rows, at_r = rows[first], at_r[first]
+        dur, between, n_between = _durations_between(digests, sizes, rows, at_r, gid_r[first],
+                                                     key[first])
         per_rank = np.bincount(at_r, minlength=len(ranks))
         self.at_list: list[int] = np.flatnonzero(per_rank).tolist()
         self.lengths: list[int] = per_rank[self.at_list].tolist()
         self.cat = {
             "key": key[first], "enq": t_enqueue[rows].astype(np.float64), "comp": comp[rows],
             "rel": rel[rows], "op": cat("op_hash")[rows], "gid": gid_r[first].astype(np.int32),
-            "col": col[first],
+            "col": col[first], "dur": dur, "between": between, "n_between": n_between,
         }
         self.op_names: dict[int, str] = {}
         for a in self.at_list:
             self.op_names.update(digests[a].op_names)
+
+
+def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, gid: I8,
+                       key: I8) -> tuple[F8, F8, F8]:
+    """GPU duration of each gathered row, what its rank spent in its own ops since
+    its previous collective of the same group, and how many ops (NaN where unknown).
+
+    ``rows`` index the concatenated windows (rank after rank, record order), one per
+    (rank, collective), the first entry of its unit. A unit's duration (a coalesced
+    block's is its closing entry's) counts once, at its first row. The sum covers
+    every unit strictly between the previous collective of the group (which must be
+    the group's previous seq, ``key - 1``) and this one, p2p included; it is unknown
+    when one of them has no duration or there is no previous collective.
+    """
+    if all(d.duration_ns is None for d in digests):  # no timing (gloo, NCCL by default)
+        nothing = np.full(len(rows), np.nan)
+        return nothing, nothing.copy(), nothing.copy()
+    n_rows = int(sizes.sum())
+    dur_all = np.full(n_rows, -1, dtype=np.int64)
+    first_of_unit = np.ones(n_rows, dtype=np.bool_)
+    at0 = 0
+    for d, n in zip(digests, sizes.tolist(), strict=True):
+        if n:
+            lo = len(d) - n
+            if d.duration_ns is not None:
+                dur_all[at0:at0 + n] = d.duration_ns[lo:]
+            if d.unit is not None:
+                u = d.unit[lo:]
+                first_of_unit[at0 + 1:at0 + n] = u[1:] != u[:-1]
+        at0 += n
+    known = dur_all >= 0
+    contrib = np.where(first_of_unit & known, dur_all, 0).astype(np.float64)
+    unknown = (first_of_unit & ~known).astype(np.int64)
+    s_incl, u_incl = np.cumsum(contrib), np.cumsum(unknown)
+    s_excl, u_excl = s_incl - contrib, u_incl - unknown
+    c_incl = np.cumsum(first_of_unit, dtype=np.int64)
+    c_excl: I8 = c_incl - first_of_unit
+    dur = np.where(known[rows], dur_all[rows], -1).astype(np.float64)
+    dur[dur < 0] = np.nan
+    # previous row of the same (rank, group): rows are in rank order, record order within
+    order = np.lexsort((np.arange(len(rows)), gid, at))
+    prev = np.full(len(rows), -1, dtype=np.int64)
+    same = (at[order[1:]] == at[order[:-1]]) & (gid[order[1:]] == gid[order[:-1]])
+    prev[order[1:][same]] = order[:-1][same]
+    ok = prev >= 0
+    ok[ok] = key[prev[ok]] + 1 == key[ok]
+    p = rows[np.where(ok, prev, 0)] if len(rows) else rows
+    between = np.full(len(rows), np.nan)
+    clean = ok & (u_excl[rows] - u_incl[p] == 0) if len(rows) else ok
+    between[clean] = s_excl[rows[clean]] - s_incl[p[clean]]
+    n_between = np.full(len(rows), np.nan)
+    n_between[clean] = c_excl[rows[clean]] - c_incl[p[clean]]
+    return dur, between, n_between
 
 
 def _release(at: I8, t_complete: I8, done: BOOL, comp: F8, sizes: I8) -> F8:
@@ -414,6 +489,7 @@ def _collect(ctx: Context) -> _Rows | None:
         key_all=key, keep=keep, starts=np.concatenate(([0], np.cumsum(n_rows)[:-1])),
         op=cat["op"][keep], seg_size=seg_size,
         by_seg=by_seg, op_names=op_names, resolution_ns=resolution,
+        dur=cat["dur"][keep], between=cat["between"][keep], n_between=cat["n_between"][keep],
     )
 
 
@@ -506,6 +582,8 @@ def detect(ctx: Context) -> list[Finding]:
     t = _collect(ctx)
     if t is None:
         return []
+    if ctx.job.gpu_states and _has_durations(t):
+        return _detect_from_durations(ctx, t)
     from_completions, has_comp, offset = _basis(t)
     if not from_completions and ctx.job.gpu_states:
         # NCCL: the CPU runs ahead of the GPU, so when an op was enqueued says
@@ -597,6 +675,120 @@ def detect(ctx: Context) -> list[Finding]:
     return findings[: ctx.options.max_findings_per_kind]
 
 
+def _has_durations(t: _Rows) -> bool:
+    """Whether some collective has every member's GPU duration (NCCL, timing on)."""
+    if t.dur is None:
+        return False
+    known = np.bincount(t.seg, weights=(~np.isnan(t.dur)).astype(np.float64), minlength=t.n_seg)
+    return bool((known == t.seg_size).any())
+
+
+def _duration_lateness(t: _Rows) -> tuple[F8, F8]:
+    """Per row: GPU arrival lateness ``A`` and excess think time ``E``, from durations.
+
+    All members of a collective complete together and ``duration_ms`` runs from
+    when this rank's GPU reached it, so ``A = median(duration) - duration``
+    (upper median: in a two-member group, the other member). Members were also
+    released together, by the group's previous collective; since then a member
+    spent ``B`` in its own ops (their durations: transfers, and waits for ranks of
+    other groups) and the rest of the time, the same for all, computing. So
+    ``V = B + duration`` is that common time minus the member's think time, and
+    ``E = median(V) - V`` its think time beyond the median member's (upper
+    median of ``V``: the member that thought least). That holds when members do
+    the same work between two collectives of the group (TP, DP groups): ``E`` is
+    only judged where every member ran as many ops since the previous one (a
+    group spanning pipeline stages, whose programs differ, mostly is not). NaN
+    where unknown.
+    """
+    assert t.dur is not None and t.between is not None and t.n_between is not None
+    known = np.bincount(t.seg, weights=(~np.isnan(t.dur)).astype(np.float64), minlength=t.n_seg)
+    dur = np.where((known == t.seg_size)[t.seg], t.dur, np.nan)
+    lateness = t.by_seg.median(dur, upper=True)[t.seg] - dur
+    v = dur + t.between
+    valid = np.bincount(t.seg, weights=(~np.isnan(v)).astype(np.float64), minlength=t.n_seg)
+    lo = np.full(t.n_seg, np.inf)
+    hi = np.full(t.n_seg, -np.inf)
+    counted = np.nan_to_num(t.n_between, nan=-1.0)  # unknown: ``valid`` fails anyway
+    np.minimum.at(lo, t.seg, counted)
+    np.maximum.at(hi, t.seg, counted)
+    v = np.where(((valid == t.seg_size) & (lo == hi))[t.seg], v, np.nan)
+    return lateness, t.by_seg.median(v, upper=True)[t.seg] - v
+
+
+def _detect_from_durations(ctx: Context, t: _Rows) -> list[Finding]:
+    """The straggler rule on NCCL dumps with GPU durations (module doc)."""
+    a, e = _duration_lateness(t)
+    n_ranks = len(t.ranks)
+    # as in the main rule: a rank not even late by ``FLOOR_NS`` 3 times is never blamed
+    if np.bincount(t.pos, weights=a > FLOOR_NS, minlength=n_ranks).max() < MIN_BLAMED:
+        return []
+    finite = e[~np.isnan(e)]
+    if len(finite) == 0:
+        return []
+    mad = float(np.median(np.abs(finite - np.median(finite))))
+    threshold = max(float(FLOOR_NS), SIGMAS * 1.4826 * mad)
+    blamed = (e > threshold) & (a > threshold)
+    late = (a > threshold) & ~blamed
+    total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
+    count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
+    typical = float(np.median(count))
+    flagged = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
+                             & (count > 4 * typical + 2))
+    if len(flagged) == 0:
+        return []
+    flagged_set = set(flagged.tolist())
+    victims_count = np.bincount(t.pos, weights=late, minlength=n_ranks)
+    victims = [int(t.ranks[p]) for p in np.flatnonzero(victims_count >= MIN_BLAMED)
+               if p not in flagged_set]
+    gid = t.gid.astype(np.int64)
+    op = t.op.astype(np.int64)
+    findings: list[Finding] = []
+    order = sorted(flagged.tolist(), key=lambda p: -float(np.median(a[(t.pos == p) & blamed])))
+    for p in order:
+        rank = int(t.ranks[p])
+        mine = (t.pos == p) & blamed
+        lat, exc = a[mine], e[mine]
+        median, p95 = float(np.median(lat)), float(np.percentile(lat, 95))
+        by_group = Counter(gid[mine].tolist())
+        top_gid = by_group.most_common(1)[0][0]
+        top_op = Counter(op[mine & (gid == top_gid)].tolist()).most_common(1)[0][0]
+        groups_txt = ", ".join(f"{_short_group(ctx, g)}: {n}" for g, n in by_group.most_common(3))
+        others = [v for v in victims if v != rank]
+        msg = (f"rank {rank} arrives last: its GPU reached {int(count[p])} of {int(total[p])} "
+               f"collectives {_ms(median)} (median; p95 {_ms(p95)}) after the other members, "
+               f"in {groups_txt}; its GPU's time outside collective and p2p ops since the "
+               f"group's previous collective is {_ms(float(np.median(exc)))} longer than its "
+               "peers', so the delay starts on this rank")
+        if others:
+            msg += (f"; rank(s) {ctx.ranks(others)} also arrive late elsewhere only because they "
+                    "waited for it")
+        msg += ". Judged from the GPU durations of the ops (duration_ms, timing on)"
+        findings.append(Finding(
+            kind=FindingKind.STRAGGLER,
+            severity=Severity.WARNING,
+            message=msg,
+            culprit_ranks=(rank,),
+            waiting_ranks=(),
+            pg=ctx.pg(top_gid),
+            seq=None,
+            seq_kind=None,
+            op=t.op_names.get(int(top_op)),
+            location=None,
+            evidence={
+                "late_in": int(count[p]),
+                "collectives": int(total[p]),
+                "lateness_ms": {"median": round(median / 1e6, 3), "p95": round(p95 / 1e6, 3),
+                                "max": round(float(lat.max()) / 1e6, 3)},
+                "excess_think_ms": round(float(np.median(exc)) / 1e6, 3),
+                "groups": [ctx.pg(g).to_json() | {"late_in": n} for g, n in by_group.most_common(8)],
+                "threshold_ms": round(threshold / 1e6, 3),
+                "basis": "duration",
+                "late_only_by_waiting": others[:32],
+            },
+        ))
+    return findings[: ctx.options.max_findings_per_kind]
+
+
 def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: npt.NDArray[Any],
                   total: npt.NDArray[Any], threshold: float, basis: str) -> Finding:
     """One warning, naming no rank, when enqueue times cannot tell the source."""
@@ -619,3 +811,10 @@ def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: np
             "basis": "enqueue",
         },
     )
+
+
+def _member_index(members: dict[int, int] | range, rank: int) -> int:
+    """``rank``'s index among a group's members, -1 when it is none of them."""
+    if isinstance(members, range):
+        return members.index(rank) if rank in members else -1
+    return members.get(rank, -1)

@@ -51,8 +51,8 @@ def detect(ctx: Context) -> list[Finding]:
         states: dict[int, OpState] = {}
         for w in waits:
             states[w.rank] = w.detail.state if w.detail is not None else OpState.SCHEDULED
-        for member in ctx.job.groups[gid].ranks:
-            if member not in states and member in ctx.job.digests:
+        for member in ctx.job.dumped_members(gid):
+            if member not in states:
                 state = ctx.job.state_in(member, gid, seq)
                 if state is not None:
                     states[member] = state
@@ -120,7 +120,7 @@ def detect(ctx: Context) -> list[Finding]:
 def _arrivals(ctx: Context, gid: int, seq: int) -> dict[int, int]:
     """When each member that has collective ``seq`` of ``gid`` in its ring enqueued it."""
     out: dict[int, int] = {}
-    for rank in ctx.job.groups[gid].ranks:
+    for rank in ctx.job.dumped_members(gid):
         view = ctx.job.view(rank, gid)
         if view is None or len(view.coll_rows) == 0:
             continue
@@ -144,7 +144,7 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
     findings: list[Finding] = []
     for group in ctx.job.groups:
         cols = []
-        for rank in group.ranks:
+        for rank in ctx.job.dumped_members(group.gid):
             view = ctx.job.view(rank, group.gid)
             if view is None or len(view.coll_rows) == 0:
                 continue
