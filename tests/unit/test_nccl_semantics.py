@@ -351,3 +351,96 @@ def test_ops_abandoned_by_a_reconfiguration_are_no_place_to_be_blocked() -> None
     first = report.findings[0]
     assert first.kind is FindingKind.MISSING_RANK
     assert first.pg is not None and first.pg.name == "0@r2" and first.seq == 4
+
+
+def _evict(rk: Rank, keep: int) -> Rank:
+    """Keep the newest ``keep`` entries, as a full ring does (record ids unchanged)."""
+    rk.entries = rk.entries[-keep:]
+    return rk
+
+
+def test_oldest_plain_collective_of_an_evicted_ring_is_still_compared() -> None:
+    # Every ring evicted everything before all_reduce #3. Rank 2 used Half in #3,
+    # then blocked in #4 with the others. #3 is one plain entry per rank: nothing
+    # of it was evicted, so its dtypes compare. Skipped as "possibly a coalesced
+    # block cut in two", #3 is unchecked on ranks 1 and 2 (whose windows reach
+    # #4) and the hang at #4 reads as a timeout naming every rank.
+    ranks = [Rank(r, WORLD).coll("0", "completed").coll("0", "completed") for r in range(4)]
+    for rk in ranks:
+        rk.coll("0", "scheduled")
+        if rk.rank == 2:
+            rk.entries[-1]["input_dtypes"] = ["Half"]
+        if rk.rank in (1, 2):
+            rk.coll("0", "scheduled")
+        _evict(rk, 2 if rk.rank in (1, 2) else 1)
+    report = run(ranks)
+    assert report.culprit_ranks == (2,)
+    assert report.findings[0].kind is FindingKind.DTYPE_MISMATCH
+    assert report.findings[0].seq == 3
+
+
+def test_evicted_oldest_block_cut_in_two_is_not_compared() -> None:
+    # Rank 3's ring kept only the last member and the closing entry of block #2,
+    # all it holds of the group; its peers hold the whole block. Compared, the cut
+    # block differs (one member where the others have three): a false op
+    # mismatch naming rank 3.
+    ranks = [Rank(r, WORLD).coll("0", "completed").coalesced("0", "completed") for r in range(4)]
+    _evict(ranks[3], 2)
+    report = run(ranks)
+    assert report.culprit_ranks == ()
+    assert not [f for f in report.findings if f.severity.value == "error"], report.findings
+
+
+def test_ring_holding_one_block_of_a_group_is_not_matched_by_record_order() -> None:
+    # Ring eviction left one coalesced block of the group in every ring: its
+    # entries share one seq because PyTorch bumps the seq once per block, not
+    # because the dump's seqs never increase. Renumbered by record order, the
+    # members become separate collectives that stay ``scheduled``, and every rank
+    # looks blocked in the first member, all "stuck in it": a timeout naming
+    # every rank where only rank 1's GPU is behind (scheduled; the others started).
+    ranks = [Rank(r, WORLD).coll("0", "completed").coalesced("0", "completed") for r in range(4)]
+    for rk in ranks:
+        rk.coalesced("0", "scheduled" if rk.rank == 1 else "started")
+        _evict(rk, 4)  # the last block only
+    report = run(ranks)
+    assert not any("record order" in n for n in report.notes), report.notes
+    assert report.culprit_ranks == (1,)
+    assert report.findings[0].kind is FindingKind.TIMEOUT
+    assert report.findings[0].seq == 3
+
+
+def test_p2p_batch_closing_entries_are_no_collectives_matched_by_record_order() -> None:
+    # A group used only for p2p batches: every closing entry says is_p2p=False
+    # with the unchanged collective seq 0. They are the batches', not collectives
+    # whose seqs never increase.
+    groups = {**WORLD, "pp0": ("pp", [0, 1]), "pp1": ("pp", [2, 3])}
+    ranks = []
+    for r in range(4):
+        rk = Rank(r, groups).coll("0", "completed")
+        pg, peer = ("pp0" if r < 2 else "pp1"), r ^ 1
+        ops = [("send", peer), ("recv", peer)] if r % 2 == 0 else [("recv", peer), ("send", peer)]
+        rk.batch(pg, "completed", ops).batch(pg, "completed", ops).coll("0", "completed")
+        ranks.append(rk)
+    report = run(ranks)
+    assert not any("record order" in n for n in report.notes), report.notes
+    assert report.findings == ()
+
+
+def test_evicted_rings_oldest_block_after_an_older_kept_record_is_whole_and_compared() -> None:
+    # Every ring evicted the group's block #1 and kept two default-group ops
+    # recorded before block #2, so block #2's members (recorded back to back
+    # before its closing entry) are all there. Rank 3's members use Half. Not
+    # compared, every member "started" #2 and none finished: a timeout naming all.
+    groups = {**WORLD, "dp": ("dp", [0, 1, 2, 3])}
+    ranks = []
+    for r in range(4):
+        rk = Rank(r, groups).coalesced("dp", "completed")
+        rk.coll("0", "completed").coll("0", "completed").coalesced("dp", "started")
+        if r == 3:
+            for e in rk.entries[-4:-1]:
+                e["input_dtypes"] = ["Half"]
+        ranks.append(_evict(rk, 6))
+    report = run(ranks)
+    assert report.culprit_ranks == (3,)
+    assert report.findings[0].kind is FindingKind.DTYPE_MISMATCH
+    assert report.findings[0].seq == 2

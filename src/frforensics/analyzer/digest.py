@@ -256,18 +256,7 @@ def coalesced_units(group: npt.NDArray[np.int32], seq: I8, p2p_seq: I8, is_p2p: 
     if n == 0 or not closing.any():
         return None, state, is_p2p
     rows = np.arange(n, dtype=np.int64)
-    p2p = is_p2p.astype(bool)
-    # the previous row of the same group, for each closing row
-    by_group = np.lexsort((rows, group))
-    prev = np.full(n, -1, dtype=np.int64)
-    same = group[by_group[1:]] == group[by_group[:-1]]
-    prev[by_group[1:][same]] = by_group[:-1][same]
-    close_rows = np.flatnonzero(closing)
-    before = prev[close_rows]
-    p2p_close = close_rows[(before >= 0) & p2p[np.maximum(before, 0)]
-                           & (p2p_seq[np.maximum(before, 0)] == p2p_seq[close_rows])]
-    p2p = p2p.copy()
-    p2p[p2p_close] = True
+    p2p = _effective_p2p(group, p2p_seq, is_p2p, closing)
     key = np.where(p2p, p2p_seq, seq)
     order = np.lexsort((rows, key, p2p, group))
     g, k, kk = group[order], p2p[order], key[order]
@@ -285,7 +274,34 @@ def coalesced_units(group: npt.NDArray[np.int32], seq: I8, p2p_seq: I8, is_p2p: 
             np.ascontiguousarray(p2p, dtype=np.uint8))
 
 
-def _record_order_seqs(trace: RankTrace, seq: I8) -> tuple[I8, tuple[str, ...]]:
+def _effective_p2p(group: npt.NDArray[np.int32], p2p_seq: I8, is_p2p: U1,
+                   closing: npt.NDArray[np.bool_]) -> npt.NDArray[np.bool_]:
+    """``is_p2p``, with the closing entry of every p2p batch taken as p2p.
+
+    The closing entry of a ``batch_isend_irecv`` says ``is_p2p=False``
+    (``initWork`` derives the flag from ``OpType::COALESCED``); it is the batch's
+    when the entry before it in its group is a p2p op of the same ``p2p_seq_id``.
+    """
+    p2p = is_p2p.astype(bool)
+    if not closing.any():
+        return p2p
+    n = len(p2p)
+    rows = np.arange(n, dtype=np.int64)
+    # the previous row of the same group, for each closing row
+    by_group = np.lexsort((rows, group))
+    prev = np.full(n, -1, dtype=np.int64)
+    same = group[by_group[1:]] == group[by_group[:-1]]
+    prev[by_group[1:][same]] = by_group[:-1][same]
+    close_rows = np.flatnonzero(closing)
+    before = prev[close_rows]
+    p2p_close = close_rows[(before >= 0) & p2p[np.maximum(before, 0)]
+                           & (p2p_seq[np.maximum(before, 0)] == p2p_seq[close_rows])]
+    p2p = p2p.copy()
+    p2p[p2p_close] = True
+    return p2p
+
+
+def _record_order_seqs(trace: RankTrace, seq: I8, op_hash: U4) -> tuple[I8, tuple[str, ...]]:
     """Collective seqs, numbered by record order in groups whose seqs never increase.
 
     Some hand-made and older dumps write ``collective_seq_id`` 0 (or one constant)
@@ -293,15 +309,25 @@ def _record_order_seqs(trace: RankTrace, seq: I8) -> tuple[I8, tuple[str, ...]]:
     everything. There the k-th collective of the group is numbered k (counting
     from the ring's first entry, so a ring that evicted entries is misaligned:
     the note says so).
+
+    Not every shared seq means that. PyTorch bumps ``seqCollective_`` once per
+    coalesced block, so a ring whose window on a group holds a single block (its
+    members and one closing entry, last) legitimately shows one seq; and the
+    closing entry of a p2p batch says ``is_p2p=False`` with the unchanged last
+    collective seq (``coalesced_units``), so it is no collective of its group.
     """
     e = trace.entries
-    coll = e.is_p2p == 0
+    closing = np.isin(op_hash, _CLOSING_HASHES)
+    coll = ~_effective_p2p(e.pg, e.p2p_seq, e.is_p2p, closing)
     notes: list[str] = []
     out = np.ascontiguousarray(seq)
     for local in np.unique(e.pg[coll]).tolist():
         rows = np.flatnonzero(coll & (e.pg == local))
         if len(rows) < 2 or int(seq[rows].min()) != int(seq[rows].max()):
             continue
+        closes = np.flatnonzero(closing[rows])
+        if len(closes) == 1 and int(closes[0]) == len(rows) - 1:
+            continue  # one coalesced block (or what eviction left of it)
         if out is seq:
             out = seq.copy()
         out[rows] = np.arange(1, len(rows) + 1, dtype=np.int64)
@@ -390,7 +416,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
     site = site_lookup[np.where((e.stack >= 0) & (e.stack < len(trace.stacks)), e.stack,
                                 len(trace.stacks))]
 
-    seq, order_notes = _record_order_seqs(trace, e.seq)
+    seq, order_notes = _record_order_seqs(trace, e.seq, op_hash)
     unit, state, is_p2p = coalesced_units(e.pg, seq, e.p2p_seq, e.is_p2p, op_hash, e.state)
     if unit is not None:
         closing = np.isin(op_hash, _CLOSING_HASHES)

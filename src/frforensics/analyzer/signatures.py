@@ -7,7 +7,10 @@ whose members disagree on op, dtype or size is a mismatch. Only the *first*
 mismatched seq of a group is kept per field: after one rank desyncs, every later
 seq compares different calls. A ring that evicted entries may have cut its
 oldest coalesced block in two, so a rank's oldest seq in such a window is not
-compared.
+compared when it may be a cut block (``_maybe_cut``); a single plain
+collective there (nothing to cut), or a block whose consecutive records follow
+an older record the ring still holds, is; so is every oldest unit of a window
+cut by ``--window`` (``whole_oldest``: that cut never splits a block).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from frforensics.analyzer.digest import CLOSING_OPS
 from frforensics.analyzer.merge import JobModel
 
 Field = Literal["op", "dtype", "size"]
@@ -43,8 +47,11 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         return None
     d = job.digests[rank]
     rows = view.coll_rows
-    if job.window_evicted(rank) and not d.whole_oldest and view.max_seq > view.min_seq:
-        rows = rows[d.seq[rows] != view.min_seq]  # possibly a block cut in two
+    if job.window_evicted(rank) and not d.whole_oldest \
+            and _maybe_cut(job, rank, rows, view.min_seq):
+        rows = rows[d.seq[rows] != view.min_seq]
+        if len(rows) == 0:
+            return None
     seq = d.seq[rows]
     op = d.op_hash[rows].astype(np.int64)
     dtype = d.dtype_hash[rows].astype(np.int64)
@@ -65,6 +72,40 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         seq = seq[starts]
     ranks = np.full(len(seq), rank, dtype=np.int64)
     return seq, ranks, op, dtype, size
+
+
+def _maybe_cut(job: JobModel, rank: int, rows: npt.NDArray[np.intp], seq: int) -> bool:
+    """Whether the unit at ``seq`` (the oldest of ``rank``'s window on a group)
+    may have lost entries to the ring's eviction.
+
+    Eviction drops the oldest records, so only the group's oldest unit can be
+    cut, and only a unit of several entries: a coalesced block records its
+    members one after another, then its closing entry (``endCoalescing``), so
+    what eviction leaves of a block is its tail, closing entry included. The
+    unit is whole when either
+
+    * it is a single entry that is not a closing entry (a plain collective; in a
+      dump without closing entries, only where no seq of the group holds
+      several entries), or
+    * its entries are consecutive records and the ring still holds a record
+      older than its first: its earlier members, recorded right before, would
+      have been kept too (a block interleaved with another thread's records is
+      not consecutive, and stays uncompared).
+    """
+    d = job.digests[rank]
+    at = rows[d.seq[rows] == seq]
+    if len(at) == 0:
+        return False
+    closing = d.op_names.get(int(d.op_hash[at[-1]]), "") in CLOSING_OPS
+    if len(at) == 1 and not closing:
+        if d.unit is not None:
+            return False
+        seqs = d.seq[rows]
+        if len(np.unique(seqs)) == len(seqs):
+            return False
+    if len(at) == 1 and closing:
+        return True  # a closing entry whose members are gone
+    return int(at[0]) == 0 or bool(np.any(np.diff(at) != 1))
 
 
 def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
