@@ -648,31 +648,36 @@ def detect(ctx: Context) -> list[Finding]:
             msg += (f"; rank(s) {ctx.ranks(others)} also arrive late elsewhere only because they "
                     "waited for it")
         msg += f". Judged from {basis}"
-        findings.append(Finding(
-            kind=FindingKind.STRAGGLER,
-            severity=Severity.WARNING,
-            message=msg,
-            culprit_ranks=(rank,),
-            waiting_ranks=(),
-            pg=ctx.pg(top_gid),
-            seq=None,
-            seq_kind=None,
-            op=table.op_names.get(int(top_op)),
-            location=None,
-            evidence={
-                "late_in": int(count[p]),
-                "collectives": int(total[p]),
-                "lateness_ms": {"median": round(median / 1e6, 3), "p95": round(p95 / 1e6, 3),
-                                "max": round(float(lat.max()) / 1e6, 3)},
-                "excess_think_ms": round(float(np.median(exc)) / 1e6, 3),
-                "groups": [ctx.pg(g).to_json() | {"late_in": n} for g, n in by_group.most_common(8)],
-                "threshold_ms": round(threshold / 1e6, 3),
-                "basis": "completion" if table.from_completions else "enqueue",
-                "clock_offsets_ms": {str(r): v for r, v in offsets.items()},
-                "late_only_by_waiting": others[:32],
-            },
-        ))
+        findings.append(_finding(
+            ctx, rank, msg, top_gid, table.op_names.get(int(top_op)),
+            late_in=int(count[p]), collectives=int(total[p]), median=median, p95=p95,
+            lat=lat, exc=exc, by_group=by_group, threshold=threshold, others=others,
+            basis="completion" if table.from_completions else "enqueue",
+            clock_offsets_ms={str(r): v for r, v in offsets.items()}))
     return findings[: ctx.options.max_findings_per_kind]
+
+
+def _finding(ctx: Context, rank: int, msg: str, gid: int, op: str | None, *, late_in: int,
+             collectives: int, median: float, p95: float, lat: F8, exc: F8,
+             by_group: Counter[int], threshold: float, others: list[int], basis: str,
+             clock_offsets_ms: dict[str, Any] | None = None) -> Finding:
+    """The straggler finding for ``rank`` (both bases: arrivals and GPU durations)."""
+    evidence: dict[str, Any] = {
+        "late_in": late_in,
+        "collectives": collectives,
+        "lateness_ms": {"median": round(median / 1e6, 3), "p95": round(p95 / 1e6, 3),
+                        "max": round(float(lat.max()) / 1e6, 3)},
+        "excess_think_ms": round(float(np.median(exc)) / 1e6, 3),
+        "groups": [ctx.pg(g).to_json() | {"late_in": n} for g, n in by_group.most_common(8)],
+        "threshold_ms": round(threshold / 1e6, 3),
+        "basis": basis,
+    }
+    if clock_offsets_ms is not None:
+        evidence["clock_offsets_ms"] = clock_offsets_ms
+    evidence["late_only_by_waiting"] = others[:32]
+    return Finding(kind=FindingKind.STRAGGLER, severity=Severity.WARNING, message=msg,
+                   culprit_ranks=(rank,), waiting_ranks=(), pg=ctx.pg(gid), seq=None,
+                   seq_kind=None, op=op, location=None, evidence=evidence)
 
 
 def _has_durations(t: _Rows) -> bool:
@@ -763,29 +768,11 @@ def _detect_from_durations(ctx: Context, t: _Rows) -> list[Finding]:
             msg += (f"; rank(s) {ctx.ranks(others)} also arrive late elsewhere only because they "
                     "waited for it")
         msg += ". Judged from the GPU durations of the ops (duration_ms, timing on)"
-        findings.append(Finding(
-            kind=FindingKind.STRAGGLER,
-            severity=Severity.WARNING,
-            message=msg,
-            culprit_ranks=(rank,),
-            waiting_ranks=(),
-            pg=ctx.pg(top_gid),
-            seq=None,
-            seq_kind=None,
-            op=t.op_names.get(int(top_op)),
-            location=None,
-            evidence={
-                "late_in": int(count[p]),
-                "collectives": int(total[p]),
-                "lateness_ms": {"median": round(median / 1e6, 3), "p95": round(p95 / 1e6, 3),
-                                "max": round(float(lat.max()) / 1e6, 3)},
-                "excess_think_ms": round(float(np.median(exc)) / 1e6, 3),
-                "groups": [ctx.pg(g).to_json() | {"late_in": n} for g, n in by_group.most_common(8)],
-                "threshold_ms": round(threshold / 1e6, 3),
-                "basis": "duration",
-                "late_only_by_waiting": others[:32],
-            },
-        ))
+        findings.append(_finding(
+            ctx, rank, msg, top_gid, t.op_names.get(int(top_op)),
+            late_in=int(count[p]), collectives=int(total[p]), median=median, p95=p95,
+            lat=lat, exc=exc, by_group=by_group, threshold=threshold, others=others,
+            basis="duration"))
     return findings[: ctx.options.max_findings_per_kind]
 
 
