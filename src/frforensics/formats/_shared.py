@@ -14,6 +14,7 @@ dropped first); a miss only costs the parse it would have cost anyway.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
@@ -24,6 +25,8 @@ _SMALL = 64
 
 _cache: OrderedDict[Hashable, tuple[int, ...] | None] = OrderedDict()
 _held = [0]
+#: Dask workers may decode in several threads at once
+_lock = threading.Lock()
 
 
 def shared_ranks(key: Hashable, size_hint: int,
@@ -31,20 +34,20 @@ def shared_ranks(key: Hashable, size_hint: int,
     """``parse()``, or the tuple it returned for an equal ``key`` before."""
     if size_hint < _SMALL:
         return parse()
-    try:
-        hit = _cache[key]
-    except KeyError:
-        pass
-    else:
-        _cache.move_to_end(key)
-        return hit
-    ranks = parse()
+    with _lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    ranks = parse()  # outside the lock: a parse error must leave the cache as it was
     n = len(ranks) if ranks is not None else 0
     if n > _MEMBERS:
         return ranks
-    _cache[key] = ranks
-    _held[0] += n
-    while len(_cache) > _SLOTS or _held[0] > _MEMBERS:
-        _, old = _cache.popitem(last=False)
-        _held[0] -= len(old) if old is not None else 0
+    with _lock:
+        if key in _cache:  # another thread parsed it meanwhile: share its tuple
+            return _cache[key]
+        _cache[key] = ranks
+        _held[0] += n
+        while len(_cache) > _SLOTS or _held[0] > _MEMBERS:
+            _, old = _cache.popitem(last=False)
+            _held[0] -= len(old) if old is not None else 0
     return ranks
