@@ -14,7 +14,7 @@ from dataclasses import replace
 from frforensics._gc import gc_paused
 from frforensics.analyzer.actions import derive_actions
 from frforensics.analyzer.context import AnalyzeOptions, Context
-from frforensics.analyzer.detectors import DETECTORS
+from frforensics.analyzer.detectors import DETECTORS, straggler
 from frforensics.analyzer.load import DumpSet, load_dumps
 from frforensics.analyzer.merge import build_job
 from frforensics.analyzer.waits import build_wait_graph
@@ -79,6 +79,8 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
     notes = list(job.notes)
+    if not any(f.kind is FindingKind.STRAGGLER for f in findings):
+        notes.extend(straggler.unjudged(ctx))
     if graph.young and not findings:
         notes.append(
             f"rank(s) {ctx.ranks(graph.young)} had ops in flight younger than "

@@ -8,7 +8,9 @@ the action of the first finding that names it, findings in the report's order
   GPU or host helps: a ``timeout`` where every member entered the collective
   (a kernel, NCCL or the network hung below the framework), a ``dead_rank`` that
   died without an exception (no dump: SIGKILL, the OOM killer, a lost node), a
-  ``straggler`` (persistently late; the detector only reports persistent ones).
+  ``straggler`` (persistently late; the detector only reports persistent ones),
+  unless it was judged from enqueue times taking the hosts' clocks to agree
+  (PyTorch's gloo dumps): a clock running ahead shows the same, so ``inspect``.
 * ``fix_code`` — the program itself is wrong, and the same code on new hardware
   hangs again: ``op_mismatch``, ``size_mismatch``, ``dtype_mismatch``,
   ``p2p_deadlock``, ``cross_pg_deadlock``, and a ``missing_rank`` whose main
@@ -125,6 +127,11 @@ def action_for(ctx: Context, finding: Finding, rank: int) -> tuple[str, str]:
         what = death.get("kind") if isinstance(death, Mapping) else None
         return "inspect", f"died of its own {what or 'death'}: read its dump's traceback"
     if kind is FindingKind.STRAGGLER:
+        if finding.evidence.get("clocks") == "assumed_to_agree":
+            return "inspect", ("persistently arrives last at collectives, judged from enqueue "
+                               "times only: its host's clock running "
+                               f"{finding.evidence.get('alternative_clock_offset_ms')} ms ahead "
+                               "would show the same; check that clock before replacing anything")
         return "replace_gpu_or_host", "persistently arrives last at collectives"
     return "inspect", f"{kind.value}: nothing more specific is known"
 

@@ -35,6 +35,15 @@ not an arrival there): per-rank clock offsets are estimated as each rank's media
 offset, and a member's previous release as the last arrival at its previous
 collective. Per-rank clock offsets are always estimated (from completions when
 known, which are near-simultaneous on all members) and reported in evidence.
+
+Clocks: on enqueue times only, the estimated offsets absorb lateness that is the
+same at every op (a rank 20 ms late everywhere reads like its host clock 20 ms
+ahead). When that pass names no one, or more ranks than it can tell apart, the
+rows are judged again taking the hosts' clocks to agree (``_same_clock``): a rank
+late there by at least ``SAME_CLOCK_MIN_NS`` (median) is named, marked
+``evidence["clocks"] = "assumed_to_agree"`` with the offset that would explain
+the same times (its action is ``inspect``: check the clock before replacing
+anything); several such ranks make one warning naming none.
 Only each rank's most recent ``WINDOW`` (512) entries are looked at: a straggler
 is slow now, and the whole ring cost more than the rest of the analysis at scale.
 Everything is vectorized: per-collective medians sort each collective's members in
@@ -53,7 +62,7 @@ Worked example (4 ranks, default group; rank 1 sleeps 300 ms before each step)::
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import numpy as np
@@ -64,7 +73,7 @@ from frforensics.analyzer.digest import RankDigest
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
 
-__all__ = ["ArrivalTable", "arrivals", "detect"]
+__all__ = ["ArrivalTable", "arrivals", "detect", "unjudged"]
 
 #: Each rank's most recent entries the detector looks at. A straggler is a rank
 #: that is slow *now*; 512 ops are ample evidence (it needs 3 late collectives),
@@ -80,6 +89,10 @@ MIN_FRACTION: Final = 0.05
 #: it does not record) cannot be told from its source: when more ranks than this
 #: qualify, none is named.
 MAX_ENQUEUE_ONLY: Final = 1
+#: Enqueue times judged as if the hosts' clocks agreed name a rank only when it is
+#: this late (median): NTP keeps hosts on one LAN within about a millisecond of each
+#: other, and ranks on one host share its clock.
+SAME_CLOCK_MIN_NS: Final = 10_000_000
 
 F8 = npt.NDArray[np.float64]
 I8 = npt.NDArray[np.int64]
@@ -577,6 +590,45 @@ def _ms(ns: float) -> str:
     return f"{ns / 1e6:.1f} ms" if abs(ns) >= 1e5 else f"{ns / 1e3:.0f} µs"
 
 
+@dataclass(frozen=True, slots=True)
+class _Blame:
+    """Who is blamed, from one pair of measures (``A``, ``E``) over the rows."""
+
+    excess: F8
+    threshold: float
+    blamed: BOOL
+    late: BOOL
+    count: npt.NDArray[Any]  # blamed collectives per rank position
+    total: npt.NDArray[Any]  # judged collectives per rank position
+    flagged: I8  # rank positions that are stragglers
+
+
+def _blame(t: _Rows, a: F8, think: F8) -> _Blame | None:
+    """The straggler rule on lateness ``a`` and think times ``think`` (module doc);
+    ``None`` when no rank is flagged."""
+    # the threshold is never below ``floor``: a rank that is not even late by that much
+    # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here
+    floor = max(FLOOR_NS, 3.0 * t.resolution_ns)
+    n_ranks = len(t.ranks)
+    if np.bincount(t.pos, weights=a > floor, minlength=n_ranks).max() < MIN_BLAMED:
+        return None
+    e = _excess(t, think)
+    finite = e[~np.isnan(e)]
+    if len(finite) == 0:
+        return None
+    mad = float(np.median(np.abs(finite - np.median(finite))))
+    threshold = max(floor, SIGMAS * 1.4826 * mad)
+    blamed = (e > threshold) & (a > threshold)
+    total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
+    count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
+    typical = float(np.median(count))
+    flagged = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
+                             & (count > 4 * typical + 2))
+    if len(flagged) == 0:
+        return None
+    return _Blame(e, threshold, blamed, (a > threshold) & ~blamed, count, total, flagged)
+
+
 def detect(ctx: Context) -> list[Finding]:
     """One warning per rank that consistently arrives last."""
     t = _collect(ctx)
@@ -591,45 +643,82 @@ def detect(ctx: Context) -> list[Finding]:
         # there is nothing to judge arrivals by
         return []
     a, think = _lateness_think(t, from_completions, has_comp, offset)
-    # the threshold is never below ``floor``: a rank that is not even late by that much
-    # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here
-    floor = max(FLOOR_NS, 3.0 * t.resolution_ns)
-    if np.bincount(t.pos, weights=a > floor).max() < MIN_BLAMED:
+    blame = _blame(t, a, think)
+    if from_completions:
+        if blame is None:
+            return []
+        offset = _completion_offsets(t, has_comp)  # only reported: estimated once needed
+        return _findings(ctx, _table(t, True, a, blame.excess, offset), blame, a)
+    assert offset is not None
+    if blame is not None and len(blame.flagged) <= MAX_ENQUEUE_ONLY:
+        return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a)
+    same = _same_clock(ctx, t, has_comp, offset)
+    if same is not None:
+        return same
+    if blame is None:
         return []
-    e = _excess(t, think)
-    finite = e[~np.isnan(e)]
-    if len(finite) == 0:
+    # more candidates than enqueue times can tell apart: one warning naming none
+    return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a)
+
+
+def unjudged(ctx: Context) -> list[str]:
+    """A report note when the dumps cannot show a straggler at all: NCCL dumps
+    (GPU states) without GPU durations, where enqueue times are the CPU's and
+    completion times the watchdog's discovery times (module doc)."""
+    digests = [d for d in ctx.job.digests.values() if len(d)]
+    if not ctx.job.gpu_states or not digests or any(d.duration_ns is not None for d in digests):
         return []
-    mad = float(np.median(np.abs(finite - np.median(finite))))
-    threshold = max(floor, SIGMAS * 1.4826 * mad)
-    blamed = (e > threshold) & (a > threshold)
-    late = (a > threshold) & ~blamed
-    n_ranks = len(t.ranks)
-    total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
-    count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
-    typical = float(np.median(count))
-    flagged = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
-                             & (count > 4 * typical + 2))
-    if len(flagged) == 0:
-        return []
-    if offset is None:  # only reported: estimated once there is something to report
-        offset = _completion_offsets(t, has_comp)
-    table = _table(t, from_completions, a, e, offset)
-    victims_count = np.bincount(table.pos, weights=late, minlength=n_ranks)
+    return ["straggler: these NCCL dumps carry no GPU durations (PyTorch records duration_ms "
+            "only with TORCH_NCCL_ENABLE_TIMING=1); without them enqueue times are the CPU's, "
+            "which runs ahead of the GPU, and completion times the watchdog's ~100 ms polls, so "
+            "a rank that arrives late by less than that cannot be seen"]
+
+
+def _same_clock(ctx: Context, t: _Rows, has_comp: BOOL, offset: F8) -> list[Finding] | None:
+    """Enqueue times only, judged again as if the hosts' clocks agreed (module doc,
+    "Clocks"). Only ranks late by at least ``SAME_CLOCK_MIN_NS`` (median) count:
+    ``None`` when there is none; one is named, several make one warning naming
+    none."""
+    zero = np.zeros(len(t.ranks))
+    a, think = _lateness_think(t, False, has_comp, zero)
+    blame = _blame(t, a, think)
+    if blame is None:
+        return None
+    keep = [p for p in blame.flagged.tolist()
+            if float(np.median(a[(t.pos == p) & blame.blamed])) >= SAME_CLOCK_MIN_NS]
+    if not keep:
+        return None
+    blame = replace(blame, flagged=np.asarray(keep, dtype=np.int64))
+    return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a, same_clock=True)
+
+
+def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
+              same_clock: bool = False) -> list[Finding]:
+    """The warnings for ``blame``'s flagged ranks (one naming none when enqueue times
+    leave more than ``MAX_ENQUEUE_ONLY`` candidates)."""
+    n_ranks = len(table.ranks)
+    flagged, blamed, count, total = blame.flagged, blame.blamed, blame.count, blame.total
+    threshold, e = blame.threshold, blame.excess
+    victims_count = np.bincount(table.pos, weights=blame.late, minlength=n_ranks)
+    flagged_set = set(flagged.tolist())
     victims = [int(table.ranks[p]) for p in np.flatnonzero(victims_count >= MIN_BLAMED)
-               if p not in set(flagged.tolist())]
+               if p not in flagged_set]
     offsets = {int(table.ranks[p]): round(float(table.offset_ns[p]) / 1e6, 3)
                for p in np.argsort(-np.abs(table.offset_ns))[:8]
                if abs(table.offset_ns[p]) > threshold}
-    basis = ("completion times" + (f" (resolution {_ms(table.resolution_ns)})"
-                                   if table.resolution_ns else "")
-             if table.from_completions else
-             "enqueue times only (the dumps carry no completion times; clock offsets "
-             "estimated from arrivals)")
+    if table.from_completions:
+        basis = "completion times" + (f" (resolution {_ms(table.resolution_ns)})"
+                                      if table.resolution_ns else "")
+    elif same_clock:
+        basis = "enqueue times only, taking the hosts' clocks to agree (the dumps carry no " \
+                "completion times)"
+    else:
+        basis = ("enqueue times only (the dumps carry no completion times; clock offsets "
+                 "estimated from arrivals)")
     findings: list[Finding] = []
     order = sorted(flagged.tolist(), key=lambda p: -float(np.median(a[(table.pos == p) & blamed])))
     if not table.from_completions and len(order) > MAX_ENQUEUE_ONLY:
-        return [_unattributed(ctx, table, order, count, total, threshold, basis)]
+        return [_unattributed(ctx, table, order, count, total, threshold, basis, same_clock)]
     for p in order:
         rank = int(table.ranks[p])
         mine = (table.pos == p) & blamed
@@ -648,19 +737,26 @@ def detect(ctx: Context) -> list[Finding]:
             msg += (f"; rank(s) {ctx.ranks(others)} also arrive late elsewhere only because they "
                     "waited for it")
         msg += f". Judged from {basis}"
+        alternative = None
+        if same_clock:
+            alternative = round(float(table.offset_ns[p]) / 1e6, 3)
+            msg += (f": the same times would show if its host's clock alone ran {_ms(alternative * 1e6)} "
+                    "ahead of the others', so check that clock (NTP) before replacing anything")
         findings.append(_finding(
             ctx, rank, msg, top_gid, table.op_names.get(int(top_op)),
             late_in=int(count[p]), collectives=int(total[p]), median=median, p95=p95,
             lat=lat, exc=exc, by_group=by_group, threshold=threshold, others=others,
             basis="completion" if table.from_completions else "enqueue",
-            clock_offsets_ms={str(r): v for r, v in offsets.items()}))
+            clock_offsets_ms={str(r): v for r, v in offsets.items()},
+            clock_alternative_ms=alternative))
     return findings[: ctx.options.max_findings_per_kind]
 
 
 def _finding(ctx: Context, rank: int, msg: str, gid: int, op: str | None, *, late_in: int,
              collectives: int, median: float, p95: float, lat: F8, exc: F8,
              by_group: Counter[int], threshold: float, others: list[int], basis: str,
-             clock_offsets_ms: dict[str, Any] | None = None) -> Finding:
+             clock_offsets_ms: dict[str, Any] | None = None,
+             clock_alternative_ms: float | None = None) -> Finding:
     """The straggler finding for ``rank`` (both bases: arrivals and GPU durations)."""
     evidence: dict[str, Any] = {
         "late_in": late_in,
@@ -674,6 +770,11 @@ def _finding(ctx: Context, rank: int, msg: str, gid: int, op: str | None, *, lat
     }
     if clock_offsets_ms is not None:
         evidence["clock_offsets_ms"] = clock_offsets_ms
+    if clock_alternative_ms is not None:
+        # judged taking the hosts' clocks to agree: the other explanation of the
+        # same times is this rank's host clock running this far ahead
+        evidence["clocks"] = "assumed_to_agree"
+        evidence["alternative_clock_offset_ms"] = clock_alternative_ms
     evidence["late_only_by_waiting"] = others[:32]
     return Finding(kind=FindingKind.STRAGGLER, severity=Severity.WARNING, message=msg,
                    culprit_ranks=(rank,), waiting_ranks=(), pg=ctx.pg(gid), seq=None,
@@ -777,7 +878,8 @@ def _detect_from_durations(ctx: Context, t: _Rows) -> list[Finding]:
 
 
 def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: npt.NDArray[Any],
-                  total: npt.NDArray[Any], threshold: float, basis: str) -> Finding:
+                  total: npt.NDArray[Any], threshold: float, basis: str,
+                  same_clock: bool = False) -> Finding:
     """One warning, naming no rank, when enqueue times cannot tell the source."""
     ranks = sorted(int(table.ranks[p]) for p in order)
     return Finding(
@@ -785,9 +887,10 @@ def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: np
         severity=Severity.WARNING,
         message=(f"ranks {ctx.ranks(ranks)} arrive late at their collectives, but judged from "
                  f"{basis}, lateness that one slow rank passes on to its peers' other groups "
-                 "cannot be told from its source: no rank is named (candidates in "
-                 "evidence.candidates; dumps with completion times, e.g. frforensics' own, "
-                 "can tell)"),
+                 "cannot be told from its source"
+                 + (", nor from hosts' clocks that disagree" if same_clock else "")
+                 + ": no rank is named (candidates in evidence.candidates; dumps with "
+                 "completion times, e.g. frforensics' own, can tell)"),
         culprit_ranks=(),
         waiting_ranks=(),
         evidence={
