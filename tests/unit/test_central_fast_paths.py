@@ -1,0 +1,143 @@
+"""The central passes that walk every (rank, group) at once give what the
+group-by-group, member-by-member reference gives.
+
+``signatures.find_mismatches`` and ``timeout._late_entries`` run over
+``merge.collective_rows`` (every rank's collectives in one numpy pass) where the
+groups list their members in rank order; ``find_mismatches_by_group`` and
+``_late_entries_by_group`` are the simple forms they replace. Generated jobs
+(NCCL and gloo, coalesced blocks, rings that evicted entries, mismatches, late
+entries) must come out the same, order of the evidence included.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from frforensics.analyzer import AnalyzeOptions
+from frforensics.analyzer.context import Context
+from frforensics.analyzer.detectors.timeout import _late_entries, _late_entries_by_group
+from frforensics.analyzer.digest import RankDigest, digest
+from frforensics.analyzer.load import load_dumps
+from frforensics.analyzer.merge import JobModel, build_job, collective_rows
+from frforensics.analyzer.signatures import Mismatch, find_mismatches, find_mismatches_by_group
+from frforensics.analyzer.waits import build_wait_graph
+from frforensics.formats import decode_dump
+from frforensics.testing import JobBuilder
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "native"
+
+
+def _digests(mode: str, seed: int) -> dict[int, RankDigest]:
+    """One generated job's native dumps, digested in memory."""
+    rng = random.Random(f"central:{mode}:{seed}")
+    tp, pp, dp = rng.choice([(2, 1, 4), (4, 2, 1), (2, 2, 2), (1, 2, 4), (8, 1, 2)])
+    ring = rng.choice([2000, rng.randrange(12, 48)])  # small rings evict entries
+    job = (JobBuilder(tp=tp, pp=pp, dp=dp, ring_size=ring, seed=seed)
+           .schedule(micro_batches=max(pp, 2), layers_per_stage=1, log_interval=2)
+           .steps(3).jitter(ms=0.2))
+    if mode == "nccl":
+        job = job.nccl(run_ahead=(1, rng.choice([1, 2, 4])),
+                       coalesce_dp=rng.choice(["members", "fused", None]),  # type: ignore[arg-type]
+                       timing=rng.random() < 0.5)
+    else:
+        job = job.gloo_style()
+    world = tp * pp * dp
+    rank = rng.randrange(world)
+    groups = [k for k in ("tp", "dp", "pp") if k in job.layout.kinds_present()]
+    fault = rng.choice(["op_mismatch", "size_mismatch", "dtype_mismatch", "late", "healthy"])
+    if fault == "late":
+        # every op of one rank later than the timeout: the late-entry rule's case
+        job = job.timeout(5).straggler(rank=rank, delay_ms=rng.uniform(10.0, 30.0))
+    elif fault != "healthy":
+        group = rng.choice(groups)
+        step = rng.randrange(1, 3)
+        index = rng.randrange(job.collectives_in_step(rank=rank, group=group, step=step))
+        job = getattr(job, fault)(rank=rank, step=step, group=group, index=index)
+    dumps = job.build()
+    out: dict[int, RankDigest] = {}
+    for r in dumps.native_ranks:
+        trace = decode_dump(pickle.dumps(dumps.native_doc(r), protocol=2),
+                            source=f"nccl_trace_rank_{r}", rank_hint=r)
+        out[r] = digest(trace, rank=r)
+    return out
+
+
+def _said(ms: tuple[Mismatch, ...]) -> list[object]:
+    return [(m.gid, m.seq, m.field, list(m.values.items()), m.later, list(m.raw.items()))
+            for m in ms]
+
+
+def _context(digests: dict[int, RankDigest]) -> Context:
+    job = build_job(digests)
+    return Context.build(job, build_wait_graph(job, hang_after_s=1.0), AnalyzeOptions())
+
+
+def _assert_same(job: JobModel, ctx: Context) -> None:
+    assert job.members_ascending()
+    assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
+    fast = [f.to_json() for f in _late_entries(ctx, set())]
+    slow = [f.to_json() for f in _late_entries_by_group(ctx, set())]
+    assert fast == slow
+
+
+@pytest.mark.parametrize("mode", ["nccl", "gloo"])
+def test_all_group_passes_agree_with_the_per_group_reference(mode: str) -> None:
+    seen = {"mismatch": 0, "late": 0, "evicted": 0}
+    for seed in range(14):
+        digests = _digests(mode, seed)
+        ctx = _context(digests)
+        _assert_same(ctx.job, ctx)
+        seen["mismatch"] += bool(find_mismatches_by_group(ctx.job))
+        seen["late"] += bool(_late_entries_by_group(ctx, set()))
+        seen["evicted"] += any(ctx.job.window_evicted(r) and not d.whole_oldest
+                               for r, d in digests.items())
+    # the draw covers what the fast paths must get right (not vacuously equal)
+    assert all(seen.values()), seen
+
+
+def test_passes_agree_on_the_recorded_timeout_and_small_ring_dumps() -> None:
+    for case in ("timeout", "small_ring", "op_mismatch", "size_mismatch"):
+        ds = load_dumps([DATA / case / "pickle"], jobs=1)
+        ctx = _context(ds.digests)
+        _assert_same(ctx.job, ctx)
+    ds = load_dumps([DATA / "timeout" / "pickle"], jobs=1)
+    assert _late_entries(_context(ds.digests), set()), "the recorded late entry is found"
+
+
+def test_collective_rows_are_every_members_view() -> None:
+    digests = _digests("nccl", 3)
+    job = build_job(digests)
+    c = collective_rows(job)
+    for gid in range(len(job.groups)):
+        for rank in job.dumped_members(gid):
+            view = job.view(rank, gid)
+            i = c.ranks.index(rank)
+            lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
+            mine = c.take[lo:hi][c.gid[lo:hi] == gid] - sum(len(digests[r]) for r in c.ranks[:i])
+            expected = [] if view is None else view.coll_rows.tolist()
+            assert mine.tolist() == expected
+    # ordered by (group, seq), rank then record order within
+    keys = list(zip(c.gid[c.order].tolist(), c.seq[c.order].tolist(), c.at[c.order].tolist(),
+                    c.take[c.order].tolist(), strict=True))
+    assert keys == sorted(keys)
+
+
+def test_members_listed_out_of_rank_order_take_the_reference_path() -> None:
+    digests = _digests("nccl", 5)
+    # a group whose dump lists its members in descending order
+    rank = min(digests)
+    d = digests[rank]
+    local = next(i for i, g in enumerate(d.groups) if g.ranks and 1 < len(g.ranks) < len(digests))
+    flipped = tuple(reversed(d.groups[local].ranks or ()))
+    for r, dr in list(digests.items()):
+        groups = tuple(replace(g, ranks=flipped) if g.ranks == tuple(sorted(flipped)) else g
+                       for g in dr.groups)
+        digests[r] = replace(dr, groups=groups)
+    job = build_job(digests)
+    assert not job.members_ascending()
+    assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
