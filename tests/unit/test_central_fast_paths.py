@@ -1,4 +1,6 @@
-"""The central passes that walk every (rank, group) at once give what the
+"""The central steps' fast paths give what their simple forms give.
+
+The central passes that walk every (rank, group) at once give what the
 group-by-group, member-by-member reference gives.
 
 ``signatures.find_mismatches`` and ``timeout._late_entries`` run over
@@ -6,23 +8,26 @@ group-by-group, member-by-member reference gives.
 groups list their members in rank order; ``find_mismatches_by_group`` and
 ``_late_entries_by_group`` are the simple forms they replace. Generated jobs
 (NCCL and gloo, coalesced blocks, rings that evicted entries, mismatches, late
-entries) must come out the same, order of the evidence included.
+entries) must come out the same, order of the evidence included. A batch of
+digests shares its equal stacks and texts before it travels to the main
+process, and comes out equal.
 """
 
 from __future__ import annotations
 
 import pickle
 import random
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from frforensics.analyzer import AnalyzeOptions
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors.timeout import _late_entries, _late_entries_by_group
 from frforensics.analyzer.digest import RankDigest, digest
-from frforensics.analyzer.load import load_dumps
+from frforensics.analyzer.load import _share_groups, load_dumps
 from frforensics.analyzer.merge import JobModel, build_job, collective_rows
 from frforensics.analyzer.signatures import Mismatch, find_mismatches, find_mismatches_by_group
 from frforensics.analyzer.waits import build_wait_graph
@@ -141,3 +146,34 @@ def test_members_listed_out_of_rank_order_take_the_reference_path() -> None:
     job = build_job(digests)
     assert not job.members_ascending()
     assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
+
+
+def _same_digest(a: RankDigest, b: RankDigest) -> None:
+    for f in fields(RankDigest):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype
+            assert np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_a_batch_shares_equal_stacks_and_texts_and_changes_nothing() -> None:
+    digests = _digests("nccl", 2)
+    for d in digests.values():  # every rank's own copies, as separate decodes give
+        assert d.details
+    shared = _share_groups(list(digests.values()))
+    frames: dict[tuple[str, int, str], int] = {}
+    for before, after in zip(digests.values(), shared, strict=True):
+        assert isinstance(after, RankDigest)
+        _same_digest(before, after)
+        for det in after.details.values():
+            for f in det.frames:
+                assert frames.setdefault((f.file, f.line, f.name), id(f)) == id(f)
+        for t in after.threads:
+            for f in t.frames:
+                assert frames.setdefault((f.file, f.line, f.name), id(f)) == id(f)
+    # and the batch travels back to the main process whole
+    back = pickle.loads(pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL))
+    for before, after in zip(digests.values(), back, strict=True):
+        _same_digest(before, after)
