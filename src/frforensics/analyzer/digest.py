@@ -193,11 +193,6 @@ class RankDigest:
     def __len__(self) -> int:
         return int(self.seq.shape[0])
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        # rebuilt by the constructor from positional values: a frozen dataclass
-        # otherwise unpickles field by field through ``fields()`` in Python
-        return (RankDigest, tuple([getattr(self, name) for name in _DIGEST_FIELDS]))
-
     @property
     def newest_time_ns(self) -> int:
         """Newest timestamp in this dump (enqueue or completion), 0 if none."""
@@ -229,9 +224,6 @@ class RankDigest:
                 frame = user_frame(thread.frames)
                 return None if frame is None else str(frame)
         return None
-
-
-_DIGEST_FIELDS: Final = tuple(f.name for f in fields(RankDigest))
 
 
 #: profiling names of the entry that closes a coalesced block: ``endCoalescing``
