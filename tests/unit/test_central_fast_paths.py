@@ -177,3 +177,18 @@ def test_a_batch_shares_equal_stacks_and_texts_and_changes_nothing() -> None:
     back = pickle.loads(pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL))
     for before, after in zip(digests.values(), back, strict=True):
         _same_digest(before, after)
+
+
+@pytest.mark.parametrize("protocol", [2, 4, pickle.HIGHEST_PROTOCOL])
+def test_digests_pickle_back_equal_with_writable_columns(protocol: int) -> None:
+    digests = list(_digests("gloo", 1).values())
+    empty = replace(digests[0], **{f.name: getattr(digests[0], f.name)[:0] for f in fields(RankDigest)
+                                   if isinstance(getattr(digests[0], f.name), np.ndarray)},
+                    details={})
+    for d in [*digests, empty]:
+        back = pickle.loads(pickle.dumps(d, protocol=protocol))
+        _same_digest(d, back)
+        for f in fields(RankDigest):
+            v = getattr(back, f.name)
+            if isinstance(v, np.ndarray):
+                assert v.flags.writeable and v.flags.aligned, f.name
