@@ -25,6 +25,7 @@ import pytest
 
 from frforensics.analyzer import AnalyzeOptions
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.detectors.straggler import _first_of_each, _first_of_each_by_group
 from frforensics.analyzer.detectors.timeout import _late_entries, _late_entries_by_group
 from frforensics.analyzer.digest import RankDigest, digest
 from frforensics.analyzer.load import _share_groups, load_dumps
@@ -192,3 +193,17 @@ def test_digests_pickle_back_equal_with_writable_columns(protocol: int) -> None:
             v = getattr(back, f.name)
             if isinstance(v, np.ndarray):
                 assert v.flags.writeable and v.flags.aligned, f.name
+
+
+def test_straggler_first_of_each_agrees_with_the_group_by_group_form() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        n = int(rng.integers(0, 60))
+        at = np.sort(rng.integers(0, 5, n)).astype(np.int64)
+        canon = rng.integers(0, 4, n).astype(np.int64)
+        # keys mostly rising per (rank, group), repeated (coalesced), sometimes falling
+        key = (canon * 1000 + np.cumsum(rng.integers(0, 2, n))).astype(np.int64)
+        if trial % 3 == 0 and n:
+            key[rng.integers(0, n, 3)] -= 5
+        assert np.array_equal(_first_of_each(at, canon, key),
+                              _first_of_each_by_group(at, canon, key)), trial
