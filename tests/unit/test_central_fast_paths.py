@@ -15,6 +15,7 @@ process, and comes out equal.
 
 from __future__ import annotations
 
+import gc
 import pickle
 import random
 from dataclasses import fields, replace
@@ -23,9 +24,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from frforensics._gc import gc_paused
 from frforensics.analyzer import AnalyzeOptions
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.detectors.straggler import _first_of_each, _first_of_each_by_group
+from frforensics.analyzer.detectors.straggler import (
+    _first_of_each,
+    _first_of_each_by_group,
+    _release,
+)
 from frforensics.analyzer.detectors.timeout import _late_entries, _late_entries_by_group
 from frforensics.analyzer.digest import RankDigest, digest
 from frforensics.analyzer.load import _share_groups, load_dumps
@@ -207,3 +213,52 @@ def test_straggler_first_of_each_agrees_with_the_group_by_group_form() -> None:
             key[rng.integers(0, n, 3)] -= 5
         assert np.array_equal(_first_of_each(at, canon, key),
                               _first_of_each_by_group(at, canon, key)), trial
+
+
+def _release_reference(at: np.ndarray, t_complete: np.ndarray, done: np.ndarray,
+                       sizes: np.ndarray) -> np.ndarray:
+    """Latest completion among each row's earlier entries on its rank, row by row."""
+    out = np.full(len(at), np.nan)
+    for i in range(len(at)):
+        earlier = [int(t_complete[j]) for j in range(i) if at[j] == at[i] and done[j]]
+        if earlier:
+            out[i] = float(max(earlier))
+    return out
+
+
+def test_straggler_release_times_are_the_latest_earlier_completion_per_rank() -> None:
+    rng = np.random.default_rng(11)
+    for trial in range(150):
+        sizes = rng.integers(0, 6, int(rng.integers(1, 6))).astype(np.int64)
+        at = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        n = len(at)
+        t_complete = (1_700_000_000_000_000_000 + rng.integers(0, 10**9, n)).astype(np.int64)
+        done = rng.random(n) < 0.7
+        comp = np.where(done, t_complete, 0).astype(np.float64)
+        comp[~done] = np.nan
+        got = _release(at, t_complete, done, comp, sizes)
+        assert np.array_equal(got, _release_reference(at, t_complete, done, sizes),
+                              equal_nan=True), trial
+
+
+def test_a_settled_pause_leaves_its_objects_old_and_the_collector_as_it_was() -> None:
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        gc.collect()
+        with gc_paused(settle=True):
+            kept = [[i] for i in range(10_000)]  # long-lived containers
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        assert gc.get_count()[0] < 100  # nothing young left to scan
+        assert any(x is kept[0] for x in gc.get_objects(generation=2))
+        # a caller's own freeze is left alone
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        with gc_paused(settle=True):
+            more = [[i] for i in range(100)]
+        assert gc.get_freeze_count() == frozen and more
+        gc.unfreeze()
+    finally:
+        if not was:
+            gc.disable()

@@ -251,7 +251,7 @@ def load_dumps(
     # The collector stays off for the whole load: digests arriving from the
     # workers are hundreds of thousands of long-lived objects, and every
     # collection would rescan all of them (nothing here makes reference cycles).
-    with gc_paused():
+    with gc_paused(settle=True):
         return _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
                      limits=limits, window=window)
 

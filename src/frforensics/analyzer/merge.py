@@ -715,9 +715,9 @@ def _collective_rows(job: JobModel) -> CollectiveRows:
     else:
         group = np.zeros(0, dtype=np.int64)
         p2p = np.zeros(0, dtype=np.uint8)
-    n_at = n_local[at_all]
+    n_at = np.repeat(n_local, sizes)
     slot = np.where((group >= 0) & (group < n_at), group, n_at)
-    slot += base[:-1][at_all]
+    slot += np.repeat(base[:-1], sizes)
     del group, n_at
     gid_all = np.asarray(luts, dtype=np.int32)[slot]
     del slot

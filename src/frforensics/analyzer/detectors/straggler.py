@@ -395,8 +395,8 @@ def _release(at: I8, t_complete: I8, done: BOOL, comp: F8, sizes: I8) -> F8:
     out = np.full(len(at), np.nan)
     if not done.any():
         return out
-    t0 = int(t_complete[done].min())
-    span = int(t_complete[done].max()) - t0 + 2
+    t0 = int(t_complete.min(where=done, initial=np.iinfo(np.int64).max))
+    span = int(t_complete.max(where=done, initial=np.iinfo(np.int64).min)) - t0 + 2
     if span * (len(sizes) + 1) >= 1 << 62:  # offsets would overflow: rank by rank
         starts = np.concatenate(([0], np.cumsum(sizes)))
         for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
@@ -405,17 +405,19 @@ def _release(at: I8, t_complete: I8, done: BOOL, comp: F8, sizes: I8) -> F8:
         return out
     # one running max over all ranks: rank a's values are lifted by a * span, so
     # no earlier rank's value can win; not-completed entries count as -1
-    lifted = np.where(done, t_complete - t0, -1) + at * span
-    running = np.maximum.accumulate(lifted)
+    lift = at * span
+    lifted = np.where(done, t_complete - t0, -1)
+    lifted += lift
+    running = np.maximum.accumulate(lifted, out=lifted)
     prev = np.empty_like(running)
     prev[1:] = running[:-1]
     prev[0] = -1
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     prev[starts[sizes > 0]] = at[starts[sizes > 0]] * span - 1  # nothing before a rank's first
-    prev -= at * span
+    prev -= lift
     has = prev >= 0
-    out[has] = (prev[has] + t0).astype(np.float64)
-    return out
+    prev += t0
+    return np.where(has, prev, np.nan)
 
 
 def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
