@@ -673,10 +673,15 @@ class CollectiveRows:
     def column(self, name: str, rows: npt.NDArray[np.intp] | None = None) -> npt.NDArray[Any]:
         """Digest column ``name`` (``op_hash``, ``t_enqueue_ns``, ...) at these rows
         (at ``rows`` of them, in that order, when given)."""
+        return self.column_at(name, self.take if rows is None else self.take[rows])
+
+    def column_at(self, name: str, index: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
+        """Digest column ``name`` at ``index`` into the concatenated digests
+        (``take``, or a selection of it computed once for several columns)."""
         parts = [getattr(d, name) for d in self.digests]
         if not parts:
             return np.zeros(0, dtype=np.int64)
-        return np.concatenate(parts)[self.take if rows is None else self.take[rows]]
+        return np.concatenate(parts)[index]
 
 
 def collective_rows(job: JobModel) -> CollectiveRows:

@@ -125,10 +125,12 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
         return ()
     # by (group, seq), then rank (= member order here), then record order
     seq, gid, at = c.seq[order], c.gid[order], c.at[order]
-    op = c.column("op_hash", order).astype(np.int64)
-    dtype = c.column("dtype_hash", order).astype(np.int64)
-    size = c.column("size", order)
+    index = c.take[order]
     del order
+    op = c.column_at("op_hash", index).astype(np.int64)
+    dtype = c.column_at("dtype_hash", index).astype(np.int64)
+    size = c.column_at("size", index)
+    del index
     n = len(seq)
     ustarts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])
                                    | (at[1:] != at[:-1])])

@@ -153,7 +153,9 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
     if len(order) == 0:
         return []
     seq, gid = c.seq[order], c.gid[order]
-    t, tmo = c.column("t_enqueue_ns", order), c.column("timeout_ms", order)
+    index = c.take[order]
+    t, tmo = c.column_at("t_enqueue_ns", index), c.column_at("timeout_ms", index)
+    del index
     starts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])])
     first_t = np.repeat(np.minimum.reduceat(t, starts), np.diff(np.r_[starts, len(seq)]))
     late = (t > 0) & (first_t > 0) & (tmo > 0) & ((t - first_t) > tmo * 1_000_000)
