@@ -236,7 +236,7 @@ def load_dumps_dask(
     """
     client, own = _connect(scheduler, connect_timeout_s)
     try:
-        with gc_paused():
+        with gc_paused(settle=True):
             return _load(client, [str(p) for p in paths], prefix=prefix, tail=tail,
                          manifest=manifest, deadline_s=host_deadline_s, codec=codec,
                          progress=progress, window=window)

@@ -193,6 +193,29 @@ class RankDigest:
     def __len__(self) -> int:
         return int(self.seq.shape[0])
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Digests travel from the decoding workers to the main process, which
+        # receives every rank's: the columns go as one buffer (numpy rebuilds each
+        # array through a Python function otherwise) and the details as plain
+        # tuples, ~45 us per rank less to unpickle (of ~160)
+        values: list[Any] = [getattr(self, name) for name in _DIGEST_FIELDS]
+        layout: list[tuple[int, str, int, int]] = []
+        chunks: list[bytes] = []
+        offset = 0
+        for i, v in enumerate(values):
+            if isinstance(v, np.ndarray) and v.ndim == 1 and not v.dtype.hasobject:
+                data = v.tobytes()
+                layout.append((i, _dtype_name(v.dtype), len(v), offset))
+                chunks.append(data)
+                pad = -len(data) % 8  # every column aligned
+                if pad:
+                    chunks.append(bytes(pad))
+                offset += len(data) + pad
+                values[i] = None
+        details = values[_DETAILS_AT]
+        values[_DETAILS_AT] = (tuple(details), tuple(tuple(e) for e in details.values()))
+        return (_rebuild_digest, (tuple(values), tuple(layout), b"".join(chunks)))
+
     @property
     def newest_time_ns(self) -> int:
         """Newest timestamp in this dump (enqueue or completion), 0 if none."""
@@ -224,6 +247,37 @@ class RankDigest:
                 frame = user_frame(thread.frames)
                 return None if frame is None else str(frame)
         return None
+
+
+_DIGEST_FIELDS: Final = tuple(f.name for f in fields(RankDigest))
+_DETAILS_AT: Final = _DIGEST_FIELDS.index("details")
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+_DTYPES: dict[str, np.dtype[Any]] = {}
+_new_detail = functools.partial(tuple.__new__, EntryDetail)
+
+
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    # one str object per dtype: a batch's pickle then stores each name once
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.str
+    return name
+
+
+def _rebuild_digest(values: tuple[Any, ...], layout: tuple[tuple[int, str, int, int], ...],
+                    blob: bytes) -> RankDigest:
+    """A :class:`RankDigest` from its ``__reduce__``; the columns are writable, as
+    unpickled arrays are."""
+    buf = bytearray(blob)
+    out = list(values)
+    for i, name, count, offset in layout:
+        dtype = _DTYPES.get(name)
+        if dtype is None:
+            dtype = _DTYPES[name] = np.dtype(name)
+        out[i] = np.frombuffer(buf, dtype, count, offset)
+    rows, details = out[_DETAILS_AT]
+    out[_DETAILS_AT] = dict(zip(rows, map(_new_detail, details), strict=True))
+    return RankDigest(*out)
 
 
 #: profiling names of the entry that closes a coalesced block: ``endCoalescing``

@@ -37,7 +37,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from frforensics._gc import gc_paused
-from frforensics.analyzer.digest import DEFAULT_TAIL, RankDigest, digest
+from frforensics.analyzer.digest import DEFAULT_TAIL, EntryDetail, RankDigest, digest
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.formats.sources import (
     DumpSource,
@@ -47,7 +47,7 @@ from frforensics.formats.sources import (
     read_source,
     settle_duplicate,
 )
-from frforensics.model import GroupInfo
+from frforensics.model import Frame, GroupInfo, ThreadStack
 from frforensics.report import LoadProblem
 
 __all__ = [
@@ -145,7 +145,12 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
     # Keyed by the members' identity when they are large: the decoders hand out
     # one tuple per distinct membership (formats._shared), and hashing a
     # 16,384-member tuple per rank would cost O(world) each.
+    # The same goes for the kept entries' stacks and texts (op, shapes, dtypes,
+    # call site): equal across ranks, one object each per batch, so the main
+    # process unpickles each once per batch instead of once per entry (~50
+    # frames per rank, each a dataclass unpickled field by field in Python).
     shared: dict[tuple[object, ...], GroupInfo] = {}
+    share = _Sharer()
     out: list[RankDigest | LoadProblem] = []
 
     def key(g: GroupInfo) -> tuple[object, ...]:
@@ -155,9 +160,52 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
     for item in items:
         if isinstance(item, RankDigest):
             groups = tuple(shared.setdefault(key(g), g) for g in item.groups)
-            item = replace(item, groups=groups)
+            item = replace(item, groups=groups, details=share.details(item.details),
+                           threads=share.threads(item.threads))
         out.append(item)
     return out
+
+
+class _Sharer:
+    """Equal stacks and texts of a batch's digests as one object each."""
+
+    def __init__(self) -> None:
+        self._texts: dict[str, str] = {}
+        self._frames: dict[tuple[str, int, str], Frame] = {}
+        self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
+        # by identity first (a decoder shares a rank's equal stacks): the key's
+        # object is kept so that its id cannot be reused within the batch
+        self._by_id: dict[int, tuple[tuple[Frame, ...], tuple[Frame, ...]]] = {}
+
+    def stack(self, frames: tuple[Frame, ...]) -> tuple[Frame, ...]:
+        hit = self._by_id.get(id(frames))
+        if hit is not None and hit[0] is frames:
+            return hit[1]
+        # keyed by the frames' fields: a Frame's own hash and == run in Python
+        key = tuple([(f.file, f.line, f.name) for f in frames])
+        canon = self._stacks.get(key)
+        if canon is None:
+            canon = self._stacks[key] = tuple(
+                [self._frames.setdefault((f.file, f.line, f.name), f) for f in frames])
+        self._by_id[id(frames)] = (frames, canon)
+        return canon
+
+    def details(self, details: dict[int, EntryDetail]) -> dict[int, EntryDetail]:
+        t, stack, new = self._texts.setdefault, self.stack, tuple.__new__
+        out: dict[int, EntryDetail] = {}
+        for row, e in details.items():
+            # unpacked whole: a field added to EntryDetail fails here, loudly
+            (r, rid, grp, sq, p2p_seq, peer_seq, op, p2p, peer, root, ins, outs, ind, outd,
+             red, state, t_enq, t_start, t_comp, tmo, thread, frames, loc) = e
+            out[row] = new(EntryDetail, (
+                r, rid, grp, sq, p2p_seq, peer_seq, t(op, op), p2p, peer, root, t(ins, ins),
+                t(outs, outs), t(ind, ind), t(outd, outd), t(red, red), state, t_enq, t_start,
+                t_comp, tmo, t(thread, thread), stack(frames),
+                None if loc is None else t(loc, loc)))
+        return out
+
+    def threads(self, threads: tuple[ThreadStack, ...]) -> tuple[ThreadStack, ...]:
+        return tuple(replace(t, frames=self.stack(t.frames)) for t in threads)
 
 
 def _decode_batch(batch: list[DumpSource], prefix: str | None, tail: int,
@@ -203,7 +251,7 @@ def load_dumps(
     # The collector stays off for the whole load: digests arriving from the
     # workers are hundreds of thousands of long-lived objects, and every
     # collection would rescan all of them (nothing here makes reference cycles).
-    with gc_paused():
+    with gc_paused(settle=True):
         return _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
                      limits=limits, window=window)
 

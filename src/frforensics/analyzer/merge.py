@@ -37,6 +37,7 @@ import re
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -46,7 +47,7 @@ from frforensics.model import GroupInfo, OpState
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet, listable
 from frforensics.report import GroupRef, format_ranks
 
-__all__ = ["Group", "JobModel", "build_job"]
+__all__ = ["CollectiveRows", "Group", "JobModel", "build_job", "collective_rows"]
 
 SEND_HASH = str_hash("send")
 RECV_HASH = str_hash("recv")
@@ -114,6 +115,19 @@ class JobModel:
     _dumped: dict[int, list[int]] = field(default_factory=dict)
     _named: RankSet | None = None
     _split: dict[int, tuple[list[int], RankSet]] = field(default_factory=dict)
+    _ascending: bool | None = None
+    _coll: CollectiveRows | None = None
+
+    def members_ascending(self) -> bool:
+        """True when every group's members are listed in strictly ascending rank
+        order (PyTorch sorts them): then ``dumped_members`` is in rank order, and
+        the rank after rank passes (``collective_rows``) see members in group order."""
+        if self._ascending is None:
+            self._ascending = all(
+                g.ranks.step > 0 if isinstance(g.ranks, range)
+                else all(a < b for a, b in zip(g.ranks, g.ranks[1:]))  # noqa: B905
+                for g in self.groups)
+        return self._ascending
 
     @property
     def missing_dumps(self) -> RankSet:
@@ -635,3 +649,97 @@ def _compare(a: Sequence[int], b: Sequence[int]) -> int:
         if x != y:
             return -1 if x < y else 1
     return (len(a) > len(b)) - (len(a) < len(b))
+
+
+@dataclass(slots=True)
+class CollectiveRows:
+    """Every dumped rank's collective entries on its groups: the rows of every
+    ``view(rank, gid).coll_rows``, concatenated rank after rank (ascending), in
+    record order within a rank; ``order`` sorts them by (group, seq), stably.
+
+    For the passes that look at every (rank, group): one numpy pass over all
+    ranks instead of a Python call per (rank, group) (~49,000 at 16,384 ranks).
+    """
+
+    ranks: list[int]  # the dumped ranks, ascending
+    at: npt.NDArray[np.int32]  # row -> index into ``ranks``
+    gid: npt.NDArray[np.int32]  # row -> global group id
+    offsets: npt.NDArray[np.int64]  # rank index -> its first row here (len(ranks) + 1)
+    take: npt.NDArray[np.int64]  # row -> index into the concatenated digests' columns
+    seq: npt.NDArray[np.int64]
+    order: npt.NDArray[np.intp]  # rows by (gid, seq), rank then record order within
+    digests: list[RankDigest]
+
+    def column(self, name: str, rows: npt.NDArray[np.intp] | None = None) -> npt.NDArray[Any]:
+        """Digest column ``name`` (``op_hash``, ``t_enqueue_ns``, ...) at these rows
+        (at ``rows`` of them, in that order, when given)."""
+        return self.column_at(name, self.take if rows is None else self.take[rows])
+
+    def column_at(self, name: str, index: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
+        """Digest column ``name`` at ``index`` into the concatenated digests
+        (``take``, or a selection of it computed once for several columns)."""
+        parts = [getattr(d, name) for d in self.digests]
+        if not parts:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(parts)[index]
+
+
+def collective_rows(job: JobModel) -> CollectiveRows:
+    """:class:`CollectiveRows` of ``job``, computed once (a rank's rows on a group
+    count only when the rank is one of the group's members, as ``dumped_members``
+    has it)."""
+    if job._coll is None:
+        job._coll = _collective_rows(job)
+    return job._coll
+
+
+def _collective_rows(job: JobModel) -> CollectiveRows:
+    ranks = sorted(job.digests)
+    digests = [job.digests[r] for r in ranks]
+    members: dict[int, set[int]] = {}
+    luts: list[int] = []
+    base = np.zeros(len(ranks) + 1, dtype=np.int64)
+    for i, (rank, d) in enumerate(zip(ranks, digests, strict=True)):
+        for local in range(len(d.groups)):
+            g = job.group_of.get((rank, local), -1)
+            if g >= 0:
+                inside = members.get(g)
+                if inside is None:
+                    inside = members[g] = set(job.dumped_members(g))
+                if rank not in inside:
+                    g = -1
+            luts.append(g)
+        luts.append(-1)  # any other local index (out of range) falls here
+        base[i + 1] = len(luts)
+    sizes = np.array([len(d) for d in digests], dtype=np.int64)
+    n_local = np.diff(base) - 1
+    at_all = np.repeat(np.arange(len(ranks), dtype=np.int32), sizes)
+    if len(at_all):
+        group = np.concatenate([d.group for d in digests]).astype(np.int64)
+        p2p = np.concatenate([d.is_p2p for d in digests])
+    else:
+        group = np.zeros(0, dtype=np.int64)
+        p2p = np.zeros(0, dtype=np.uint8)
+    n_at = np.repeat(n_local, sizes)
+    slot = np.where((group >= 0) & (group < n_at), group, n_at)
+    slot += np.repeat(base[:-1], sizes)
+    del group, n_at
+    gid_all = np.asarray(luts, dtype=np.int32)[slot]
+    del slot
+    take = np.flatnonzero((gid_all >= 0) & (p2p == 0)).astype(np.int64)
+    at = at_all[take]
+    gid = gid_all[take]
+    del at_all, gid_all, p2p
+    offsets = np.searchsorted(at, np.arange(len(ranks) + 1, dtype=np.int32)).astype(np.int64)
+    seq = (np.concatenate([d.seq for d in digests])[take] if len(take)
+           else np.zeros(0, dtype=np.int64))
+    order: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
+    if len(seq):
+        lo, hi = int(seq.min()), int(seq.max())
+        span = hi - lo + 1
+        if len(job.groups) * span < 1 << 62:
+            order = np.argsort(gid.astype(np.int64) * span + (seq - lo), kind="stable")
+        else:
+            order = np.lexsort((seq, gid))
+    return CollectiveRows(ranks=ranks, at=at, gid=gid, offsets=offsets, take=take, seq=seq,
+                          order=order, digests=digests)

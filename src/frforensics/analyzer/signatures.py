@@ -22,11 +22,11 @@ import numpy as np
 import numpy.typing as npt
 
 from frforensics.analyzer.digest import CLOSING_OPS
-from frforensics.analyzer.merge import JobModel
+from frforensics.analyzer.merge import CollectiveRows, JobModel, collective_rows
 
 Field = Literal["op", "dtype", "size"]
 
-__all__ = ["Field", "Mismatch", "find_mismatches", "units"]
+__all__ = ["Field", "Mismatch", "find_mismatches", "find_mismatches_by_group", "units"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +109,107 @@ def _maybe_cut(job: JobModel, rank: int, rows: npt.NDArray[np.intp], seq: int) -
 
 
 def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
-    """Every group's first mismatch per field (op, then size, then dtype)."""
+    """Every group's first mismatch per field (op, then size, then dtype).
+
+    All groups in one numpy pass over every rank's collectives
+    (``merge.collective_rows``) when the groups list their members in rank
+    order (PyTorch sorts them), so that rank order is group order; otherwise
+    group by group (``find_mismatches_by_group``, the reference: both give the
+    same result)."""
+    if not job.members_ascending():
+        return find_mismatches_by_group(job)
+    c = collective_rows(job)
+    keep = _uncut(job, c)
+    order = c.order if keep is None else c.order[keep[c.order]]
+    if len(order) == 0:
+        return ()
+    # by (group, seq), then rank (= member order here), then record order
+    seq, gid, at = c.seq[order], c.gid[order], c.at[order]
+    index = c.take[order]
+    del order
+    op = c.column_at("op_hash", index).astype(np.int64)
+    dtype = c.column_at("dtype_hash", index).astype(np.int64)
+    size = c.column_at("size", index)
+    del index
+    n = len(seq)
+    ustarts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])
+                                   | (at[1:] != at[:-1])])
+    if len(ustarts) != n:  # coalesced units: combined as ``units`` does
+        pos = np.arange(n) - np.repeat(ustarts, np.diff(np.r_[ustarts, n]))
+        weight = (2 * pos + 1).astype(np.uint64)
+        op = np.add.reduceat(op.astype(np.uint64) * weight, ustarts).view(np.int64)
+        dtype = np.add.reduceat(dtype.astype(np.uint64) * weight, ustarts).view(np.int64)
+        unchecked = np.minimum.reduceat(size, ustarts) < 0
+        size = np.where(unchecked, -1, np.add.reduceat(size, ustarts))
+        seq, gid, at = seq[ustarts], gid[ustarts], at[ustarts]
+    return _compare_units(job, c.ranks, seq, gid, at, op, dtype, size)
+
+
+def _uncut(job: JobModel, c: CollectiveRows) -> npt.NDArray[np.bool_] | None:
+    """Rows ``units`` compares (None: all): the oldest seq of a rank's window on a
+    group is left out where the ring's eviction may have cut it (``_maybe_cut``)."""
+    keep: npt.NDArray[np.bool_] | None = None
+    for i, rank in enumerate(c.ranks):
+        d = job.digests[rank]
+        if d.whole_oldest or not job.window_evicted(rank):
+            continue
+        lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
+        for gid in np.unique(c.gid[lo:hi]).tolist():
+            view = job.view(rank, gid)
+            if view is None or len(view.coll_rows) == 0:
+                continue
+            if _maybe_cut(job, rank, view.coll_rows, view.min_seq):
+                if keep is None:
+                    keep = np.ones(len(c.seq), dtype=np.bool_)
+                keep[lo:hi] &= ~((c.gid[lo:hi] == gid) & (c.seq[lo:hi] == view.min_seq))
+    return keep
+
+
+def _compare_units(job: JobModel, ranks: list[int], seq: npt.NDArray[np.int64],
+                   gid: npt.NDArray[np.int32], at: npt.NDArray[np.int32],
+                   op: npt.NDArray[np.int64], dtype: npt.NDArray[np.int64],
+                   size: npt.NDArray[np.int64]) -> tuple[Mismatch, ...]:
+    """The mismatches among units sorted by (group, seq, member order)."""
+    starts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])])
+    bad_op, bad_size, bad_dtype = _bad(starts, op, dtype, size)
+    first: dict[tuple[int, int], tuple[int, int]] = {}  # (gid, field) -> (block, later)
+    for f, bad in enumerate((bad_op, bad_dtype, bad_size)):
+        hits = np.flatnonzero(bad)
+        if len(hits) == 0:
+            continue
+        uniq, idx, counts = np.unique(gid[starts[hits]], return_index=True, return_counts=True)
+        for g, i, k in zip(uniq.tolist(), idx.tolist(), counts.tolist(), strict=True):
+            first[(g, f)] = (int(hits[i]), k - 1)
+    found: list[Mismatch] = []
+    columns = (("op", op), ("dtype", dtype), ("size", size))
+    for (g, f), (block, later) in sorted(first.items()):
+        name, column = columns[f]
+        lo = int(starts[block])
+        hi = int(starts[block + 1]) if block + 1 < len(starts) else len(seq)
+        raw = {ranks[a]: int(v) for a, v in zip(at[lo:hi].tolist(), column[lo:hi].tolist(),
+                                                 strict=True)}
+        values = {r: _render(job, name, r, v, g, int(seq[lo])) for r, v in raw.items()}
+        found.append(Mismatch(g, int(seq[lo]), name, values, later, raw))  # type: ignore[arg-type]
+    return tuple(found)
+
+
+def _bad(starts: npt.NDArray[np.intp], op: npt.NDArray[np.int64], dtype: npt.NDArray[np.int64],
+         size: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.bool_], ...]:
+    """Per block of units (``starts``): whether its members disagree on op, size, dtype."""
+    multi = np.diff(np.r_[starts, len(op)]) > 1
+    bad_op = multi & (np.maximum.reduceat(op, starts) != np.minimum.reduceat(op, starts))
+    # PyTorch's analyzer's order: op, then size, then dtype.
+    checked = np.where(size < 0, np.iinfo(np.int64).min, size)
+    sized = np.minimum.reduceat(size, starts) >= 0
+    bad_size = multi & ~bad_op & sized & (
+        np.maximum.reduceat(checked, starts) != np.minimum.reduceat(checked, starts))
+    bad_dtype = multi & ~bad_op & ~bad_size & (
+        np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
+    return bad_op, bad_size, bad_dtype
+
+
+def find_mismatches_by_group(job: JobModel) -> tuple[Mismatch, ...]:
+    """:func:`find_mismatches` group by group, member by member (``units``)."""
     found: list[Mismatch] = []
     for group in job.groups:
         parts = [u for r in job.dumped_members(group.gid)
@@ -120,15 +220,7 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
         order = np.argsort(seq, kind="stable")
         seq, ranks, op, dtype, size = seq[order], ranks[order], op[order], dtype[order], size[order]
         starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-        multi = np.diff(np.r_[starts, len(seq)]) > 1
-        bad_op = multi & (np.maximum.reduceat(op, starts) != np.minimum.reduceat(op, starts))
-        # PyTorch's analyzer's order: op, then size, then dtype.
-        checked = np.where(size < 0, np.iinfo(np.int64).min, size)
-        sized = np.minimum.reduceat(size, starts) >= 0
-        bad_size = multi & ~bad_op & sized & (
-            np.maximum.reduceat(checked, starts) != np.minimum.reduceat(checked, starts))
-        bad_dtype = multi & ~bad_op & ~bad_size & (
-            np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
+        bad_op, bad_size, bad_dtype = _bad(starts, op, dtype, size)
         for name, bad, column in (("op", bad_op, op), ("dtype", bad_dtype, dtype),
                                   ("size", bad_size, size)):
             hits = np.flatnonzero(bad)

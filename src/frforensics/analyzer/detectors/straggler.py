@@ -408,8 +408,8 @@ def _release(at: I8, t_complete: I8, done: BOOL, comp: F8, sizes: I8) -> F8:
     out = np.full(len(at), np.nan)
     if not done.any():
         return out
-    t0 = int(t_complete[done].min())
-    span = int(t_complete[done].max()) - t0 + 2
+    t0 = int(t_complete.min(where=done, initial=np.iinfo(np.int64).max))
+    span = int(t_complete.max(where=done, initial=np.iinfo(np.int64).min)) - t0 + 2
     if span * (len(sizes) + 1) >= 1 << 62:  # offsets would overflow: rank by rank
         starts = np.concatenate(([0], np.cumsum(sizes)))
         for lo, hi in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
@@ -418,17 +418,19 @@ def _release(at: I8, t_complete: I8, done: BOOL, comp: F8, sizes: I8) -> F8:
         return out
     # one running max over all ranks: rank a's values are lifted by a * span, so
     # no earlier rank's value can win; not-completed entries count as -1
-    lifted = np.where(done, t_complete - t0, -1) + at * span
-    running = np.maximum.accumulate(lifted)
+    lift = at * span
+    lifted = np.where(done, t_complete - t0, -1)
+    lifted += lift
+    running = np.maximum.accumulate(lifted, out=lifted)
     prev = np.empty_like(running)
     prev[1:] = running[:-1]
     prev[0] = -1
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     prev[starts[sizes > 0]] = at[starts[sizes > 0]] * span - 1  # nothing before a rank's first
-    prev -= at * span
+    prev -= lift
     has = prev >= 0
-    out[has] = (prev[has] + t0).astype(np.float64)
-    return out
+    prev += t0
+    return np.where(has, prev, np.nan)
 
 
 def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
@@ -439,6 +441,29 @@ def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
     each key is where the key changes from the previous row of the same (rank,
     group); a (rank, group) whose keys ever decrease is deduplicated with a sort.
     """
+    first = np.ones(len(key), dtype=np.bool_)
+    if len(key) < 2:
+        return first
+    # rows by group within the rank (a stable radix sort of the small numbers),
+    # rank after rank within a group: each group's rows of a rank follow each other
+    small = np.int8 if int(canon.max()) < 127 else np.int16 if int(canon.max()) < 32767 else None
+    if small is None:
+        return _first_of_each_by_group(at, canon, key)
+    idx = np.argsort(canon.astype(small), kind="stable")
+    k, a, c = key[idx], at[idx], canon[idx]
+    same = (a[1:] == a[:-1]) & (c[1:] == c[:-1])
+    first[idx[1:]] = ~same | (k[1:] != k[:-1])
+    dec = np.flatnonzero(same & (k[1:] < k[:-1]))
+    if len(dec):
+        # a (rank, group) whose keys ever decrease: deduplicated with a sort
+        for bad, j in sorted(set(zip(a[1:][dec].tolist(), c[1:][dec].tolist(), strict=True))):
+            mine = idx[(a == bad) & (c == j)]
+            first[mine] = _first_occurrence(key[mine])
+    return first
+
+
+def _first_of_each_by_group(at: I8, canon: I8, key: I8) -> BOOL:
+    """:func:`_first_of_each` one group number at a time (the reference)."""
     first = np.ones(len(key), dtype=np.bool_)
     for j in np.unique(canon).tolist():
         idx = np.flatnonzero(canon == j)  # group j of every rank, rank after rank

@@ -33,6 +33,7 @@ from collections import defaultdict
 import numpy as np
 
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.merge import collective_rows
 from frforensics.analyzer.waits import Wait
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
@@ -140,7 +141,57 @@ def _late_members(arrivals: dict[int, int], timeout_ms: int) -> list[int]:
 
 
 def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
-    """Collectives that some member entered later than the timeout after the first."""
+    """Collectives that some member entered later than the timeout after the first.
+
+    Every group at once (``merge.collective_rows``) where rank order is member
+    order; otherwise group by group (``_late_entries_by_group``, the reference)."""
+    job = ctx.job
+    if not job.members_ascending():
+        return _late_entries_by_group(ctx, known)
+    c = collective_rows(job)
+    order = c.order  # by (gid, seq), then rank (= member order here), then record order
+    if len(order) == 0:
+        return []
+    seq, gid = c.seq[order], c.gid[order]
+    index = c.take[order]
+    t, tmo = c.column_at("t_enqueue_ns", index), c.column_at("timeout_ms", index)
+    del index
+    starts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])])
+    first_t = np.repeat(np.minimum.reduceat(t, starts), np.diff(np.r_[starts, len(seq)]))
+    late = (t > 0) & (first_t > 0) & (tmo > 0) & ((t - first_t) > tmo * 1_000_000)
+    hits = np.flatnonzero(late)
+    if len(hits) == 0:
+        return []
+    # each group's first late seq; among its late rows the earliest entry (the
+    # first in member, then record order on a tie), as the by-group sort has it
+    group_starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
+    group_ends = np.r_[group_starts[1:], len(gid)]
+    hit_gid, hit_seq = gid[hits], seq[hits]
+    bounds = np.flatnonzero(np.r_[True, (hit_gid[1:] != hit_gid[:-1])
+                                  | (hit_seq[1:] != hit_seq[:-1]), True])
+    firsts: list[tuple[int, int, int]] = []
+    for i in np.unique(hit_gid, return_index=True)[1].tolist():
+        block = hits[i:int(bounds[np.searchsorted(bounds, i, side="right")])]
+        pick = int(block[int(np.argmin(t[block]))])
+        firsts.append((int(gid[pick]), int(seq[pick]), pick))
+    findings: list[Finding] = []
+    for g, s0, pick in firsts:
+        group = job.groups[g]
+        if (group.name, s0) in known or (g, s0) in ctx.desynced:
+            continue
+        lo = int(np.searchsorted(group_starts, np.searchsorted(gid, g)))
+        if len(np.unique(c.at[order[group_starts[lo]:group_ends[lo]]])) < 2:
+            continue  # one member has the group's collectives: nobody to be late against
+        finding = _late_finding(ctx, g, s0, int(tmo[pick]))
+        if finding is not None:
+            findings.append(finding)
+            if len(findings) >= ctx.options.max_findings_per_kind:
+                break
+    return findings
+
+
+def _late_entries_by_group(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
+    """:func:`_late_entries` group by group, member by member."""
     findings: list[Finding] = []
     for group in ctx.job.groups:
         cols = []
@@ -166,37 +217,46 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
         s0 = int(seq[hits[0]])
         if (group.name, s0) in known or (group.gid, s0) in ctx.desynced:
             continue
-        arrivals = _arrivals(ctx, group.gid, s0)
-        culprits = _late_members(arrivals, int(tmo[hits[0]]))
-        if not culprits:
+        finding = _late_finding(ctx, group.gid, s0, int(tmo[hits[0]]))
+        if finding is None:
             continue
-        on_time = sorted(set(arrivals) - set(culprits))
-        delay_s = (max(arrivals[r] for r in culprits) - min(arrivals.values())) / 1e9
-        timeout_s = float(tmo[hits[0]]) / 1000
-        d = ctx.job.digests[culprits[0]]
-        local = group.local.get(culprits[0])
-        det = next((x for x in d.details.values() if x.group == local and x.seq == s0
-                    and not x.is_p2p), None)
-        op = det.op if det is not None else d.op_names.get(
-            int(d.op_hash[ctx.job.view(culprits[0], group.gid).coll_rows][0]), "?")  # type: ignore[union-attr]
-        findings.append(Finding(
-            kind=FindingKind.TIMEOUT,
-            severity=Severity.ERROR,
-            message=(f"rank{'s' if len(culprits) > 1 else ''} {ctx.ranks(culprits)} entered "
-                     f"{op} #{s0} on {group.ref().label()} {delay_s:.1f} s after the first member, "
-                     f"past its {timeout_s:g} s timeout: ranks {ctx.ranks(on_time)} had already "
-                     "timed out waiting (their entries are retired as failed)"),
-            culprit_ranks=tuple(culprits),
-            waiting_ranks=tuple(on_time),
-            pg=group.ref(),
-            seq=s0,
-            seq_kind="collective",
-            op=op,
-            location=None if det is None else det.location,
-            evidence={"late_by_s": round(delay_s, 3), "timeout_ms": int(tmo[hits[0]]),
-                      "note": "clocks of different hosts may differ; the lateness here exceeds "
-                              "the timeout"},
-        ))
+        findings.append(finding)
         if len(findings) >= ctx.options.max_findings_per_kind:
             break
     return findings
+
+
+def _late_finding(ctx: Context, gid: int, s0: int, timeout_ms: int) -> Finding | None:
+    """The late-entry finding at collective ``s0`` of ``gid`` (None: nobody late)."""
+    group = ctx.job.groups[gid]
+    arrivals = _arrivals(ctx, gid, s0)
+    culprits = _late_members(arrivals, timeout_ms)
+    if not culprits:
+        return None
+    on_time = sorted(set(arrivals) - set(culprits))
+    delay_s = (max(arrivals[r] for r in culprits) - min(arrivals.values())) / 1e9
+    timeout_s = float(timeout_ms) / 1000
+    d = ctx.job.digests[culprits[0]]
+    local = group.local.get(culprits[0])
+    det = next((x for x in d.details.values() if x.group == local and x.seq == s0
+                and not x.is_p2p), None)
+    op = det.op if det is not None else d.op_names.get(
+        int(d.op_hash[ctx.job.view(culprits[0], gid).coll_rows][0]), "?")  # type: ignore[union-attr]
+    return Finding(
+        kind=FindingKind.TIMEOUT,
+        severity=Severity.ERROR,
+        message=(f"rank{'s' if len(culprits) > 1 else ''} {ctx.ranks(culprits)} entered "
+                 f"{op} #{s0} on {group.ref().label()} {delay_s:.1f} s after the first member, "
+                 f"past its {timeout_s:g} s timeout: ranks {ctx.ranks(on_time)} had already "
+                 "timed out waiting (their entries are retired as failed)"),
+        culprit_ranks=tuple(culprits),
+        waiting_ranks=tuple(on_time),
+        pg=group.ref(),
+        seq=s0,
+        seq_kind="collective",
+        op=op,
+        location=None if det is None else det.location,
+        evidence={"late_by_s": round(delay_s, 3), "timeout_ms": timeout_ms,
+                  "note": "clocks of different hosts may differ; the lateness here exceeds "
+                          "the timeout"},
+    )

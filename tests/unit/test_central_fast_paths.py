@@ -1,0 +1,264 @@
+"""The central steps' fast paths give what their simple forms give.
+
+The central passes that walk every (rank, group) at once give what the
+group-by-group, member-by-member reference gives.
+
+``signatures.find_mismatches`` and ``timeout._late_entries`` run over
+``merge.collective_rows`` (every rank's collectives in one numpy pass) where the
+groups list their members in rank order; ``find_mismatches_by_group`` and
+``_late_entries_by_group`` are the simple forms they replace. Generated jobs
+(NCCL and gloo, coalesced blocks, rings that evicted entries, mismatches, late
+entries) must come out the same, order of the evidence included. A batch of
+digests shares its equal stacks and texts before it travels to the main
+process, and comes out equal.
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import random
+from dataclasses import fields, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from frforensics._gc import gc_paused
+from frforensics.analyzer import AnalyzeOptions
+from frforensics.analyzer.context import Context
+from frforensics.analyzer.detectors.straggler import (
+    _first_of_each,
+    _first_of_each_by_group,
+    _release,
+)
+from frforensics.analyzer.detectors.timeout import _late_entries, _late_entries_by_group
+from frforensics.analyzer.digest import RankDigest, digest
+from frforensics.analyzer.load import _share_groups, load_dumps
+from frforensics.analyzer.merge import JobModel, build_job, collective_rows
+from frforensics.analyzer.signatures import Mismatch, find_mismatches, find_mismatches_by_group
+from frforensics.analyzer.waits import build_wait_graph
+from frforensics.formats import decode_dump
+from frforensics.testing import JobBuilder
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "native"
+
+
+def _digests(mode: str, seed: int) -> dict[int, RankDigest]:
+    """One generated job's native dumps, digested in memory."""
+    rng = random.Random(f"central:{mode}:{seed}")
+    tp, pp, dp = rng.choice([(2, 1, 4), (4, 2, 1), (2, 2, 2), (1, 2, 4), (8, 1, 2)])
+    ring = rng.choice([2000, rng.randrange(12, 48)])  # small rings evict entries
+    job = (JobBuilder(tp=tp, pp=pp, dp=dp, ring_size=ring, seed=seed)
+           .schedule(micro_batches=max(pp, 2), layers_per_stage=1, log_interval=2)
+           .steps(3).jitter(ms=0.2))
+    if mode == "nccl":
+        job = job.nccl(run_ahead=(1, rng.choice([1, 2, 4])),
+                       coalesce_dp=rng.choice(["members", "fused", None]),  # type: ignore[arg-type]
+                       timing=rng.random() < 0.5)
+    else:
+        job = job.gloo_style()
+    world = tp * pp * dp
+    rank = rng.randrange(world)
+    groups = [k for k in ("tp", "dp", "pp") if k in job.layout.kinds_present()]
+    fault = rng.choice(["op_mismatch", "size_mismatch", "dtype_mismatch", "late", "healthy"])
+    if fault == "late":
+        # every op of one rank later than the timeout: the late-entry rule's case
+        job = job.timeout(5).straggler(rank=rank, delay_ms=rng.uniform(10.0, 30.0))
+    elif fault != "healthy":
+        group = rng.choice(groups)
+        step = rng.randrange(1, 3)
+        index = rng.randrange(job.collectives_in_step(rank=rank, group=group, step=step))
+        job = getattr(job, fault)(rank=rank, step=step, group=group, index=index)
+    dumps = job.build()
+    out: dict[int, RankDigest] = {}
+    for r in dumps.native_ranks:
+        trace = decode_dump(pickle.dumps(dumps.native_doc(r), protocol=2),
+                            source=f"nccl_trace_rank_{r}", rank_hint=r)
+        out[r] = digest(trace, rank=r)
+    return out
+
+
+def _said(ms: tuple[Mismatch, ...]) -> list[object]:
+    return [(m.gid, m.seq, m.field, list(m.values.items()), m.later, list(m.raw.items()))
+            for m in ms]
+
+
+def _context(digests: dict[int, RankDigest]) -> Context:
+    job = build_job(digests)
+    return Context.build(job, build_wait_graph(job, hang_after_s=1.0), AnalyzeOptions())
+
+
+def _assert_same(job: JobModel, ctx: Context) -> None:
+    assert job.members_ascending()
+    assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
+    fast = [f.to_json() for f in _late_entries(ctx, set())]
+    slow = [f.to_json() for f in _late_entries_by_group(ctx, set())]
+    assert fast == slow
+
+
+@pytest.mark.parametrize("mode", ["nccl", "gloo"])
+def test_all_group_passes_agree_with_the_per_group_reference(mode: str) -> None:
+    seen = {"mismatch": 0, "late": 0, "evicted": 0}
+    for seed in range(14):
+        digests = _digests(mode, seed)
+        ctx = _context(digests)
+        _assert_same(ctx.job, ctx)
+        seen["mismatch"] += bool(find_mismatches_by_group(ctx.job))
+        seen["late"] += bool(_late_entries_by_group(ctx, set()))
+        seen["evicted"] += any(ctx.job.window_evicted(r) and not d.whole_oldest
+                               for r, d in digests.items())
+    # the draw covers what the fast paths must get right (not vacuously equal)
+    assert all(seen.values()), seen
+
+
+def test_passes_agree_on_the_recorded_timeout_and_small_ring_dumps() -> None:
+    for case in ("timeout", "small_ring", "op_mismatch", "size_mismatch"):
+        ds = load_dumps([DATA / case / "pickle"], jobs=1)
+        ctx = _context(ds.digests)
+        _assert_same(ctx.job, ctx)
+    ds = load_dumps([DATA / "timeout" / "pickle"], jobs=1)
+    assert _late_entries(_context(ds.digests), set()), "the recorded late entry is found"
+
+
+def test_collective_rows_are_every_members_view() -> None:
+    digests = _digests("nccl", 3)
+    job = build_job(digests)
+    c = collective_rows(job)
+    for gid in range(len(job.groups)):
+        for rank in job.dumped_members(gid):
+            view = job.view(rank, gid)
+            i = c.ranks.index(rank)
+            lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
+            mine = c.take[lo:hi][c.gid[lo:hi] == gid] - sum(len(digests[r]) for r in c.ranks[:i])
+            expected = [] if view is None else view.coll_rows.tolist()
+            assert mine.tolist() == expected
+    # ordered by (group, seq), rank then record order within
+    keys = list(zip(c.gid[c.order].tolist(), c.seq[c.order].tolist(), c.at[c.order].tolist(),
+                    c.take[c.order].tolist(), strict=True))
+    assert keys == sorted(keys)
+
+
+def test_members_listed_out_of_rank_order_take_the_reference_path() -> None:
+    digests = _digests("nccl", 5)
+    # a group whose dump lists its members in descending order
+    rank = min(digests)
+    d = digests[rank]
+    local = next(i for i, g in enumerate(d.groups) if g.ranks and 1 < len(g.ranks) < len(digests))
+    flipped = tuple(reversed(d.groups[local].ranks or ()))
+    for r, dr in list(digests.items()):
+        groups = tuple(replace(g, ranks=flipped) if g.ranks == tuple(sorted(flipped)) else g
+                       for g in dr.groups)
+        digests[r] = replace(dr, groups=groups)
+    job = build_job(digests)
+    assert not job.members_ascending()
+    assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
+
+
+def _same_digest(a: RankDigest, b: RankDigest) -> None:
+    for f in fields(RankDigest):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert isinstance(y, np.ndarray) and x.dtype == y.dtype
+            assert np.array_equal(x, y), f.name
+        else:
+            assert x == y, f.name
+
+
+def test_a_batch_shares_equal_stacks_and_texts_and_changes_nothing() -> None:
+    digests = _digests("nccl", 2)
+    for d in digests.values():  # every rank's own copies, as separate decodes give
+        assert d.details
+    shared = _share_groups(list(digests.values()))
+    frames: dict[tuple[str, int, str], int] = {}
+    for before, after in zip(digests.values(), shared, strict=True):
+        assert isinstance(after, RankDigest)
+        _same_digest(before, after)
+        for det in after.details.values():
+            for f in det.frames:
+                assert frames.setdefault((f.file, f.line, f.name), id(f)) == id(f)
+        for t in after.threads:
+            for f in t.frames:
+                assert frames.setdefault((f.file, f.line, f.name), id(f)) == id(f)
+    # and the batch travels back to the main process whole
+    back = pickle.loads(pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL))
+    for before, after in zip(digests.values(), back, strict=True):
+        _same_digest(before, after)
+
+
+@pytest.mark.parametrize("protocol", [2, 4, pickle.HIGHEST_PROTOCOL])
+def test_digests_pickle_back_equal_with_writable_columns(protocol: int) -> None:
+    digests = list(_digests("gloo", 1).values())
+    empty = replace(digests[0], **{f.name: getattr(digests[0], f.name)[:0] for f in fields(RankDigest)
+                                   if isinstance(getattr(digests[0], f.name), np.ndarray)},
+                    details={})
+    for d in [*digests, empty]:
+        back = pickle.loads(pickle.dumps(d, protocol=protocol))
+        _same_digest(d, back)
+        for f in fields(RankDigest):
+            v = getattr(back, f.name)
+            if isinstance(v, np.ndarray):
+                assert v.flags.writeable and v.flags.aligned, f.name
+
+
+def test_straggler_first_of_each_agrees_with_the_group_by_group_form() -> None:
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        n = int(rng.integers(0, 60))
+        at = np.sort(rng.integers(0, 5, n)).astype(np.int64)
+        canon = rng.integers(0, 4, n).astype(np.int64)
+        # keys mostly rising per (rank, group), repeated (coalesced), sometimes falling
+        key = (canon * 1000 + np.cumsum(rng.integers(0, 2, n))).astype(np.int64)
+        if trial % 3 == 0 and n:
+            key[rng.integers(0, n, 3)] -= 5
+        assert np.array_equal(_first_of_each(at, canon, key),
+                              _first_of_each_by_group(at, canon, key)), trial
+
+
+def _release_reference(at: np.ndarray, t_complete: np.ndarray, done: np.ndarray,
+                       sizes: np.ndarray) -> np.ndarray:
+    """Latest completion among each row's earlier entries on its rank, row by row."""
+    out = np.full(len(at), np.nan)
+    for i in range(len(at)):
+        earlier = [int(t_complete[j]) for j in range(i) if at[j] == at[i] and done[j]]
+        if earlier:
+            out[i] = float(max(earlier))
+    return out
+
+
+def test_straggler_release_times_are_the_latest_earlier_completion_per_rank() -> None:
+    rng = np.random.default_rng(11)
+    for trial in range(150):
+        sizes = rng.integers(0, 6, int(rng.integers(1, 6))).astype(np.int64)
+        at = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        n = len(at)
+        t_complete = (1_700_000_000_000_000_000 + rng.integers(0, 10**9, n)).astype(np.int64)
+        done = rng.random(n) < 0.7
+        comp = np.where(done, t_complete, 0).astype(np.float64)
+        comp[~done] = np.nan
+        got = _release(at, t_complete, done, comp, sizes)
+        assert np.array_equal(got, _release_reference(at, t_complete, done, sizes),
+                              equal_nan=True), trial
+
+
+def test_a_settled_pause_leaves_its_objects_old_and_the_collector_as_it_was() -> None:
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        gc.collect()
+        with gc_paused(settle=True):
+            kept = [[i] for i in range(10_000)]  # long-lived containers
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        assert gc.get_count()[0] < 100  # nothing young left to scan
+        assert any(x is kept[0] for x in gc.get_objects(generation=2))
+        # a caller's own freeze is left alone
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        with gc_paused(settle=True):
+            more = [[i] for i in range(100)]
+        assert gc.get_freeze_count() == frozen and more
+        gc.unfreeze()
+    finally:
+        if not was:
+            gc.disable()
