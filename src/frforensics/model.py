@@ -100,7 +100,14 @@ class GroupInfo:
     ranks: tuple[int, ...] | None
     backend: str = ""
 
-    def __reduce__(self) -> tuple[type[GroupInfo], tuple[str, str, tuple[int, ...] | None, str]]:
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # A large membership in a progression (the default group: every rank) travels
+        # as (start, step, count) and is rebuilt as the receiving process's one tuple
+        # for it (formats._shared): a pool batch's pickle would otherwise carry, and the
+        # main process rebuild, 65,536 ints per batch at 65,536 ranks
+        arith = _progression(self.ranks)
+        if arith is not None:
+            return (_group_in_progression, (self.name, self.desc, *arith, self.backend))
         return (GroupInfo, (self.name, self.desc, self.ranks, self.backend))
 
     def group_rank_to_global(self, group_rank: int) -> int:
@@ -108,6 +115,43 @@ class GroupInfo:
         if self.ranks is None or not 0 <= group_rank < len(self.ranks):
             return NO_INDEX
         return self.ranks[group_rank]
+
+
+#: memberships shorter than this travel as they are
+_PROGRESSION_MIN = 64
+#: id(members) -> (members, progression or None): the decoders share one tuple per
+#: distinct membership, so each is checked once per process (bounded; kept alive
+#: with its result, so an id is never reused while it is here)
+_progressions: dict[int, tuple[tuple[int, ...], tuple[int, int, int] | None]] = {}
+
+
+def _progression(ranks: tuple[int, ...] | None) -> tuple[int, int, int] | None:
+    """``(start, step, count)`` when ``ranks`` is a long arithmetic progression."""
+    if ranks is None or len(ranks) < _PROGRESSION_MIN:
+        return None
+    hit = _progressions.get(id(ranks))
+    if hit is not None and hit[0] is ranks:
+        return hit[1]
+    start, step, n = ranks[0], ranks[1] - ranks[0], len(ranks)
+    found = (start, step, n) if step > 0 and ranks == tuple(range(start, start + step * n, step)) \
+        else None
+    if len(_progressions) >= 64:
+        _progressions.clear()
+    _progressions[id(ranks)] = (ranks, found)
+    return found
+
+
+def _group_in_progression(name: str, desc: str, start: int, step: int, count: int,
+                          backend: str) -> GroupInfo:
+    """``GroupInfo.__reduce__``'s other half: members ``range(start, +step*count, step)``."""
+    from frforensics.formats._shared import shared_ranks
+
+    if not (type(start) is int and type(step) is int and type(count) is int
+            and start >= 0 and step > 0 and 0 <= count <= 1 << 24):
+        raise ValueError("bad group progression")
+    ranks = shared_ranks(("progression", start, step, count), count,
+                         lambda: tuple(range(start, start + step * count, step)))
+    return GroupInfo(name, desc, ranks, backend)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from frforensics.formats import _shared
 from frforensics.formats.frdump import _group_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS
@@ -37,3 +39,28 @@ def test_a_malformed_membership_is_never_cached_as_valid() -> None:
             _group_ranks({"arith": [0, 0, 100]}, "x", DEFAULT_LIMITS)
     text = "[" + ", ".join(map(str, range(200))) + "]"
     assert _parse_ranks(text) == tuple(range(200))
+
+
+def test_a_large_progression_travels_as_three_ints_and_lands_as_one_shared_tuple() -> None:
+    import pickle
+
+    from frforensics.model import GroupInfo
+
+    world = GroupInfo("0", "default_pg", tuple(range(70_000)), "nccl")
+    dp = GroupInfo("3", "dp", tuple(range(3, 3 + 8 * 500, 8)), "nccl")
+    odd = GroupInfo("4", "x", (7, *range(100, 200)), "nccl")  # not a progression
+    small = GroupInfo("5", "tp", (0, 1, 2, 3), "nccl")
+    data = pickle.dumps([world, dp, odd, small], protocol=4)
+    assert len(data) < 2_000  # the 70,000 members are not in it
+    first, second = pickle.loads(data), pickle.loads(data)
+    assert first == [world, dp, odd, small]
+    # every batch received rebuilds the same one tuple, not a copy per batch
+    assert first[0].ranks is second[0].ranks and first[1].ranks is second[1].ranks
+
+
+def test_a_bad_progression_is_refused() -> None:
+    from frforensics.model import _group_in_progression
+
+    for start, step, count in ((0, 0, 100), (-1, 1, 100), (0, 1, 1 << 30), (0, 1.5, 100)):
+        with pytest.raises(ValueError):
+            _group_in_progression("0", "", start, step, count, "")  # type: ignore[arg-type]

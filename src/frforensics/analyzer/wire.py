@@ -53,6 +53,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import EntryDetail, RankDigest
 from frforensics.errors import FrForensicsError
+from frforensics.formats._shared import shared_ranks
 from frforensics.model import DeathInfo, Frame, GroupInfo, OpState, PeerHeartbeat, ThreadStack
 
 __all__ = ["WireCache", "WireError", "decode_batch", "encode_batch"]
@@ -356,7 +357,12 @@ def _members_back(x: Any) -> tuple[int, ...] | None:
         start, step, n = x
         if n <= 0 and n != 0:
             raise WireError("bad group members")
-        return tuple(range(start, start + step * n, step)) if n else ()
+        if not n:
+            return ()
+        # one tuple per distinct membership in this process, as the decoders do
+        # (formats._shared): the default group comes in every payload
+        return shared_ranks(("progression", start, step, n), n,
+                            lambda: tuple(range(start, start + step * n, step)))
     if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
         return tuple(x)
     raise WireError("bad group members")
