@@ -257,7 +257,9 @@ def test_a_settled_pause_leaves_its_objects_old_and_the_collector_as_it_was() ->
         frozen = gc.get_freeze_count()
         with gc_paused(settle=True):
             more = [[i] for i in range(100)]
-        assert gc.get_freeze_count() == frozen and more
+        # settling would have unfrozen everything (count 0); frozen objects may still
+        # die meanwhile (reference counting frees them), so the count is not exact
+        assert frozen > 0 and gc.get_freeze_count() > frozen // 2 and more
         gc.unfreeze()
     finally:
         if not was:
