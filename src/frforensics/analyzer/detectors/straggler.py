@@ -62,6 +62,7 @@ Worked example (4 ranks, default group; rank 1 sleeps 300 ms before each step)::
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
@@ -628,16 +629,22 @@ class _Blame:
     flagged: I8  # rank positions that are stragglers
 
 
-def _blame(t: _Rows, a: F8, think: F8) -> _Blame | None:
-    """The straggler rule on lateness ``a`` and think times ``think`` (module doc);
-    ``None`` when no rank is flagged."""
+def _floor(t: _Rows) -> float:
+    """The smallest lateness ever blamed on arrivals: 1 ms, or three times the
+    completion-time resolution."""
+    return max(FLOOR_NS, 3.0 * t.resolution_ns)
+
+
+def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float) -> _Blame | None:
+    """The straggler rule on lateness ``a`` and excess think time ``excess()`` (module
+    doc), for arrivals and GPU durations alike; ``None`` when no rank is flagged."""
     # the threshold is never below ``floor``: a rank that is not even late by that much
-    # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here
-    floor = max(FLOOR_NS, 3.0 * t.resolution_ns)
+    # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here (and
+    # ``excess`` is never computed)
     n_ranks = len(t.ranks)
     if np.bincount(t.pos, weights=a > floor, minlength=n_ranks).max() < MIN_BLAMED:
         return None
-    e = _excess(t, think)
+    e = excess()
     finite = e[~np.isnan(e)]
     if len(finite) == 0:
         return None
@@ -668,7 +675,7 @@ def detect(ctx: Context) -> list[Finding]:
         # there is nothing to judge arrivals by
         return []
     a, think = _lateness_think(t, from_completions, has_comp, offset)
-    blame = _blame(t, a, think)
+    blame = _blame(t, a, lambda: _excess(t, think), _floor(t))
     if from_completions:
         if blame is None:
             return []
@@ -706,7 +713,7 @@ def _same_clock(ctx: Context, t: _Rows, has_comp: BOOL, offset: F8) -> list[Find
     none."""
     zero = np.zeros(len(t.ranks))
     a, think = _lateness_think(t, False, has_comp, zero)
-    blame = _blame(t, a, think)
+    blame = _blame(t, a, lambda: _excess(t, think), _floor(t))
     if blame is None:
         return None
     keep = [p for p in blame.flagged.tolist()
@@ -717,17 +724,20 @@ def _same_clock(ctx: Context, t: _Rows, has_comp: BOOL, offset: F8) -> list[Find
     return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a, same_clock=True)
 
 
+def _victims(ranks: I8, pos: IX, blame: _Blame) -> list[int]:
+    """Ranks late at least ``MIN_BLAMED`` times only because they waited (not flagged)."""
+    count = np.bincount(pos, weights=blame.late, minlength=len(ranks))
+    flagged = set(blame.flagged.tolist())
+    return [int(ranks[p]) for p in np.flatnonzero(count >= MIN_BLAMED) if p not in flagged]
+
+
 def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
               same_clock: bool = False) -> list[Finding]:
     """The warnings for ``blame``'s flagged ranks (one naming none when enqueue times
     leave more than ``MAX_ENQUEUE_ONLY`` candidates)."""
-    n_ranks = len(table.ranks)
     flagged, blamed, count, total = blame.flagged, blame.blamed, blame.count, blame.total
     threshold, e = blame.threshold, blame.excess
-    victims_count = np.bincount(table.pos, weights=blame.late, minlength=n_ranks)
-    flagged_set = set(flagged.tolist())
-    victims = [int(table.ranks[p]) for p in np.flatnonzero(victims_count >= MIN_BLAMED)
-               if p not in flagged_set]
+    victims = _victims(table.ranks, table.pos, blame)
     offsets = {int(table.ranks[p]): round(float(table.offset_ns[p]) / 1e6, 3)
                for p in np.argsort(-np.abs(table.offset_ns))[:8]
                if abs(table.offset_ns[p]) > threshold}
@@ -849,28 +859,12 @@ def _duration_lateness(t: _Rows) -> tuple[F8, F8]:
 def _detect_from_durations(ctx: Context, t: _Rows) -> list[Finding]:
     """The straggler rule on NCCL dumps with GPU durations (module doc)."""
     a, e = _duration_lateness(t)
-    n_ranks = len(t.ranks)
-    # as in the main rule: a rank not even late by ``FLOOR_NS`` 3 times is never blamed
-    if np.bincount(t.pos, weights=a > FLOOR_NS, minlength=n_ranks).max() < MIN_BLAMED:
+    blame = _blame(t, a, lambda: e, float(FLOOR_NS))
+    if blame is None:
         return []
-    finite = e[~np.isnan(e)]
-    if len(finite) == 0:
-        return []
-    mad = float(np.median(np.abs(finite - np.median(finite))))
-    threshold = max(float(FLOOR_NS), SIGMAS * 1.4826 * mad)
-    blamed = (e > threshold) & (a > threshold)
-    late = (a > threshold) & ~blamed
-    total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
-    count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
-    typical = float(np.median(count))
-    flagged = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
-                             & (count > 4 * typical + 2))
-    if len(flagged) == 0:
-        return []
-    flagged_set = set(flagged.tolist())
-    victims_count = np.bincount(t.pos, weights=late, minlength=n_ranks)
-    victims = [int(t.ranks[p]) for p in np.flatnonzero(victims_count >= MIN_BLAMED)
-               if p not in flagged_set]
+    flagged, blamed, count, total = blame.flagged, blame.blamed, blame.count, blame.total
+    threshold = blame.threshold
+    victims = _victims(t.ranks, t.pos, blame)
     gid = t.gid.astype(np.int64)
     op = t.op.astype(np.int64)
     findings: list[Finding] = []
