@@ -105,7 +105,7 @@ class GroupInfo:
         # as (start, step, count) and is rebuilt as the receiving process's one tuple
         # for it (formats._shared): a pool batch's pickle would otherwise carry, and the
         # main process rebuild, 65,536 ints per batch at 65,536 ranks
-        arith = _progression(self.ranks)
+        arith = progression(self.ranks)
         if arith is not None:
             return (_group_in_progression, (self.name, self.desc, *arith, self.backend))
         return (GroupInfo, (self.name, self.desc, self.ranks, self.backend))
@@ -117,41 +117,56 @@ class GroupInfo:
         return self.ranks[group_rank]
 
 
-#: memberships shorter than this travel as they are
+#: memberships shorter than this pickle as they are
 _PROGRESSION_MIN = 64
+#: the longest progression rebuilt from (start, step, count)
+_PROGRESSION_MAX = 1 << 24
 #: id(members) -> (members, progression or None): the decoders share one tuple per
-#: distinct membership, so each is checked once per process (bounded; kept alive
-#: with its result, so an id is never reused while it is here)
+#: distinct membership, so each long one is checked once per process (bounded; kept
+#: alive with its result, so an id is never reused while it is here)
 _progressions: dict[int, tuple[tuple[int, ...], tuple[int, int, int] | None]] = {}
 
 
-def _progression(ranks: tuple[int, ...] | None) -> tuple[int, int, int] | None:
-    """``(start, step, count)`` when ``ranks`` is a long arithmetic progression."""
-    if ranks is None or len(ranks) < _PROGRESSION_MIN:
+def progression(ranks: tuple[int, ...] | None,
+                min_len: int = _PROGRESSION_MIN) -> tuple[int, int, int] | None:
+    """``(start, step, count)`` when ``ranks`` (at least ``min_len`` of them, at least
+    2) is an arithmetic progression with a non-zero step; else ``None``."""
+    if ranks is None or len(ranks) < max(2, min_len):
         return None
-    hit = _progressions.get(id(ranks))
+    memo = len(ranks) >= _PROGRESSION_MIN
+    hit = _progressions.get(id(ranks)) if memo else None
     if hit is not None and hit[0] is ranks:
         return hit[1]
     start, step, n = ranks[0], ranks[1] - ranks[0], len(ranks)
-    found = (start, step, n) if step > 0 and ranks == tuple(range(start, start + step * n, step)) \
+    found = (start, step, n) if step != 0 and ranks == tuple(range(start, start + step * n, step)) \
         else None
-    if len(_progressions) >= 64:
-        _progressions.clear()
-    _progressions[id(ranks)] = (ranks, found)
+    if memo:
+        if len(_progressions) >= 64:
+            _progressions.clear()
+        _progressions[id(ranks)] = (ranks, found)
     return found
+
+
+def progression_members(start: int, step: int, count: int) -> tuple[int, ...]:
+    """:func:`progression`'s inverse, as this process's one tuple for it
+    (``formats._shared``); ``ValueError`` unless it is ``count`` (at most
+    ``_PROGRESSION_MAX``) ranks >= 0 with a non-zero step."""
+    from frforensics.formats._shared import shared_ranks
+
+    if not (type(start) is int and type(step) is int and type(count) is int and step != 0
+            and 0 <= count <= _PROGRESSION_MAX and start >= 0
+            and (count == 0 or start + step * (count - 1) >= 0)):
+        raise ValueError("bad group progression")
+    ranks = shared_ranks(("progression", start, step, count), count,
+                         lambda: tuple(range(start, start + step * count, step)))
+    assert ranks is not None
+    return ranks
 
 
 def _group_in_progression(name: str, desc: str, start: int, step: int, count: int,
                           backend: str) -> GroupInfo:
-    """``GroupInfo.__reduce__``'s other half: members ``range(start, +step*count, step)``."""
-    from frforensics.formats._shared import shared_ranks
-
-    if not (type(start) is int and type(step) is int and type(count) is int
-            and start >= 0 and step > 0 and 0 <= count <= 1 << 24):
-        raise ValueError("bad group progression")
-    ranks = shared_ranks(("progression", start, step, count), count,
-                         lambda: tuple(range(start, start + step * count, step)))
-    return GroupInfo(name, desc, ranks, backend)
+    """``GroupInfo.__reduce__``'s other half."""
+    return GroupInfo(name, desc, progression_members(start, step, count), backend)
 
 
 @dataclass(frozen=True, slots=True)

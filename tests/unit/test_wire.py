@@ -229,3 +229,14 @@ def test_a_local_analysis_never_imports_dask() -> None:
             "assert 'distributed' not in sys.modules and 'dask' not in sys.modules\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_progression_of_members_on_the_wire_is_bounded_and_checked() -> None:
+    from frforensics.analyzer.wire import WireError, _members, _members_back
+
+    assert _members(tuple(range(10, 2, -2))) == [10, -2, 4]
+    assert _members_back([10, -2, 4]) == (10, 8, 6, 4)
+    assert _members_back(_members((5,))) == (5,)
+    for bad in ([0, 1, 1 << 40], [0, 0, 5], [3, -2, 5], [-1, 1, 3]):
+        with pytest.raises(WireError):
+            _members_back(bad)

@@ -53,8 +53,16 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import EntryDetail, RankDigest
 from frforensics.errors import FrForensicsError
-from frforensics.formats._shared import shared_ranks
-from frforensics.model import DeathInfo, Frame, GroupInfo, OpState, PeerHeartbeat, ThreadStack
+from frforensics.model import (
+    DeathInfo,
+    Frame,
+    GroupInfo,
+    OpState,
+    PeerHeartbeat,
+    ThreadStack,
+    progression,
+    progression_members,
+)
 
 __all__ = ["WireCache", "WireError", "decode_batch", "encode_batch"]
 
@@ -334,11 +342,10 @@ def _members(ranks: tuple[int, ...] | None) -> Any:
     if ranks is None:
         return None
     n = len(ranks)
-    if n >= 2:
-        step = ranks[1] - ranks[0]
-        if step != 0 and all(ranks[i + 1] - ranks[i] == step for i in range(n - 1)):
-            return [ranks[0], step, n]
-    elif n == 1:
+    arith = progression(ranks, min_len=2)
+    if arith is not None:
+        return list(arith)
+    if n == 1:
         return [ranks[0], 1, 1]
     a = np.asarray(ranks, dtype=np.int64)
     if n and (a.min() < -(2**31) or a.max() >= 2**31):
@@ -354,15 +361,12 @@ def _members_back(x: Any) -> tuple[int, ...] | None:
             raise WireError("bad group members")
         return tuple(np.frombuffer(x, dtype="<i4").tolist())
     if isinstance(x, (list, tuple)) and len(x) == 3 and all(type(v) is int for v in x):
-        start, step, n = x
-        if n <= 0 and n != 0:
-            raise WireError("bad group members")
-        if not n:
-            return ()
         # one tuple per distinct membership in this process, as the decoders do
         # (formats._shared): the default group comes in every payload
-        return shared_ranks(("progression", start, step, n), n,
-                            lambda: tuple(range(start, start + step * n, step)))
+        try:
+            return progression_members(*x)
+        except ValueError:
+            raise WireError("bad group members") from None
     if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
         return tuple(x)
     raise WireError("bad group members")
