@@ -165,12 +165,13 @@ def analyze(
         )
     report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size, hang_after_s=hang_after))
     if output_dir is not None:
+        from frforensics.analyzer.timeline import write_timeline_file
         from frforensics.reporting import write_all
 
         try:
-            # the timeline re-reads the dumps: only where they are local
-            write_all(report, output_dir, dump_paths=None if dask else [str(p) for p in paths],
-                      prefix=prefix)
+            write_all(report, output_dir)
+            if not dask:  # the timeline re-reads the dumps: only where they are local
+                write_timeline_file(paths, output_dir / "timeline.json", prefix=prefix)
         except OSError as exc:
             raise _cannot_write(output_dir, exc) from None
     if fmt is Format.text and output is None:
@@ -212,9 +213,9 @@ def timeline(
         "--progress/--no-progress", help="Progress bar on a terminal.")] = True,
 ) -> None:
     """Export every rank's ops as a Chrome-trace / Perfetto timeline (stuck ops marked)."""
+    from frforensics.analyzer.timeline import write_timeline
     from frforensics.formats import read_sources
     from frforensics.reporting._escape import printable
-    from frforensics.reporting.timeline import write_timeline
 
     _check_output_file(output)
     tmp = output.with_name(f".{output.name}.tmp")

@@ -15,12 +15,15 @@ unless a name says ``group_rank``.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+
+from frforensics._members import shared_ranks
 
 __all__ = [
     "ENTRY_COLUMNS",
@@ -35,6 +38,7 @@ __all__ = [
     "RankTrace",
     "SourceFormat",
     "ThreadStack",
+    "user_frame",
 ]
 
 NO_INDEX: Final = -1
@@ -84,6 +88,31 @@ class Frame:
     def __reduce__(self) -> tuple[type[Frame], tuple[str, int, str]]:
         # the dataclass default restores slots one by one in Python: 2x slower
         return (Frame, (self.file, self.line, self.name))
+
+
+# Frames inside these paths are library plumbing, not the user's code.
+_LIBRARY_MARKERS: Final = (
+    "/torch/distributed/",
+    "/torch/nn/parallel/",
+    "/torch/utils/",
+    "/torch/_",
+    "frforensics/recorder",
+    "/site-packages/torch/",
+    "<frozen ",
+)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _is_library_file(file: str) -> bool:
+    return any(marker in file for marker in _LIBRARY_MARKERS)
+
+
+def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
+    """The innermost frame in the user's code (outside torch and frforensics)."""
+    for frame in frames:
+        if not _is_library_file(frame.file):
+            return frame
+    return frames[0] if frames else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,10 +178,8 @@ def progression(ranks: tuple[int, ...] | None,
 
 def progression_members(start: int, step: int, count: int) -> tuple[int, ...]:
     """:func:`progression`'s inverse, as this process's one tuple for it
-    (``formats._shared``); ``ValueError`` unless it is ``count`` (at most
+    (``frforensics._members``); ``ValueError`` unless it is ``count`` (at most
     ``_PROGRESSION_MAX``) ranks >= 0 with a non-zero step."""
-    from frforensics.formats._shared import shared_ranks
-
     if not (type(start) is int and type(step) is int and type(count) is int and step != 0
             and 0 <= count <= _PROGRESSION_MAX and start >= 0
             and (count == 0 or start + step * (count - 1) >= 0)):

@@ -167,6 +167,7 @@ def _settle(dumps: Path, limit_s: float) -> list[Path]:
 
 def _post_mortem(item: pytest.Item, report: pytest.TestReport, state: dict[str, Any]) -> None:
     from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
+    from frforensics.analyzer.timeline import write_timeline_file
     from frforensics.reporting import render, write_all
 
     folder: Path = state["folder"]
@@ -181,7 +182,8 @@ def _post_mortem(item: pytest.Item, report: pytest.TestReport, state: dict[str, 
         return
     dump_set = load_dumps([str(dumps)], jobs=1)
     result = analyze(dump_set, options=AnalyzeOptions())
-    write_all(result, folder, dump_paths=[str(dumps)])
+    write_all(result, folder)
+    write_timeline_file([dumps], folder / "timeline.json")
     text = render(result, "text")
     report.sections.append(("frforensics", f"{text}\nartifacts: {folder}"))
     report.user_properties.append(("frforensics_status", result.status.value))

@@ -8,7 +8,8 @@ them decides anything. ``Report.to_json()`` is the public contract
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -18,12 +19,14 @@ __all__ = [
     "ACTIONS",
     "KIND_SEVERITY",
     "SCHEMA",
+    "TIMELINE_RANKS",
     "Action",
     "Finding",
     "FindingKind",
     "GroupRef",
     "LoadProblem",
     "RankFacts",
+    "RankState",
     "RankTimeline",
     "Report",
     "Severity",
@@ -31,6 +34,8 @@ __all__ = [
     "TimelineOp",
     "code_sides",
     "format_ranks",
+    "rank_states",
+    "timeline_ranks",
 ]
 
 SCHEMA: Final = "frforensics.report/1"
@@ -410,3 +415,59 @@ def format_ranks(ranks: Sequence[int] | Iterable[int], *, limit: int = 12) -> st
         shown = ",".join(spans[:limit])
         return f"{shown},… ({count} ranks in {len(spans)} ranges)"
     return ",".join(spans)
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """Ranks that were doing the same thing at dump time."""
+
+    state: str
+    #: a tuple, or the report's RankSet of ranks without a dump (too many to list)
+    ranks: Sequence[int]
+
+    @property
+    def ranks_label(self) -> str:
+        return format_ranks(self.ranks)
+
+
+def rank_states(report: Report) -> list[RankState]:
+    """Ranks grouped by what they were doing, biggest group first."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for rank, facts in report.ranks.items():
+        if facts.blocked_in:
+            key = f"blocked in {facts.blocked_in}"
+        elif facts.stuck_at:
+            key = f"not in a collective; main thread at {facts.stuck_at}"
+        else:
+            key = "not blocked in any recorded op"
+        groups[key].append(rank)
+    states = [RankState(k, tuple(sorted(v))) for k, v in groups.items()]
+    if report.ranks_missing:
+        missing = report.ranks_missing
+        states.append(RankState("no dump", missing if isinstance(missing, RankSet)
+                                else tuple(sorted(missing))))
+    states.sort(key=lambda s: (-len(s.ranks), s.ranks[0]))
+    return states
+
+
+#: ranks a drawn timeline (HTML) shows at most
+TIMELINE_RANKS = 32
+
+
+def timeline_ranks(report: Report, available: Collection[int], limit: int) -> list[int]:
+    """The ranks a drawn timeline shows: culprits first, then a few ranks of each
+    state, filled up in rank order; at most ``limit``, all from ``available``."""
+    chosen: list[int] = [r for r in report.culprit_ranks if r in available][:limit // 2]
+    states = rank_states(report)
+    per_state = max(1, (limit - len(chosen)) // max(1, len(states)))
+    for st in states:
+        for r in st.ranks[:per_state]:
+            if r in available and r not in chosen and len(chosen) < limit:
+                chosen.append(r)
+    for r in sorted(available):  # fill up, small jobs show every rank
+        if len(chosen) >= limit:
+            break
+        if r not in chosen:
+            chosen.append(r)
+    chosen.sort(key=lambda r: (r not in report.culprit_ranks, r))
+    return chosen

@@ -43,9 +43,9 @@ def main() -> None:
     timeout = int(os.environ.get("HOSTILE_TIMEOUT_S", "30"))
     # imported once (the CLI imports these lazily): every child starts warm
     import frforensics.analyzer
+    import frforensics.analyzer.timeline
     import frforensics.formats.sources
-    import frforensics.reporting
-    import frforensics.reporting.timeline  # noqa: F401
+    import frforensics.reporting  # noqa: F401
     from frforensics import cli
 
     _warm_up(cli.main, cases)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from frforensics.analyzer import analyze, load_dumps
+from frforensics.analyzer.timeline import trace_events, write_timeline, write_timeline_file
 from frforensics.formats import decode_dump, read_sources
 from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.report import (
@@ -25,7 +26,6 @@ from frforensics.report import (
     TimelineOp,
 )
 from frforensics.reporting import FORMATS, render, write_all
-from frforensics.reporting.timeline import trace_events, write_timeline
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "native"
 PG = GroupRef("0", "default_pg", (0, 1, 2, 3))
@@ -77,12 +77,13 @@ def test_every_cli_format_has_a_renderer() -> None:
     assert set(FORMATS) == {"text", "json", "markdown", "html", "junit"}
 
 
-def test_write_all_writes_every_format_and_the_timeline(tmp_path: Path) -> None:
+def test_write_all_writes_every_format_and_the_timeline_beside_it(tmp_path: Path) -> None:
     report = _native_report("missing_rank")
-    written = write_all(report, tmp_path / "out", dump_paths=[str(DATA / "missing_rank" / "pickle")])
+    written = write_all(report, tmp_path / "out")
     names = sorted(p.name for p in written)
-    assert names == ["report.html", "report.json", "report.md", "report.txt", "report.xml",
-                     "timeline.json"]
+    assert names == ["report.html", "report.json", "report.md", "report.txt", "report.xml"]
+    summary = write_timeline_file([DATA / "missing_rank" / "pickle"], tmp_path / "out" / "timeline.json")
+    assert summary.ranks == [0, 1, 2, 3]
     assert json.loads((tmp_path / "out" / "report.json").read_text())["culprit_ranks"] == [2]
     trace = json.loads((tmp_path / "out" / "timeline.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1, 2, 3}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from frforensics.formats import _shared
+from frforensics import _members as _shared
 from frforensics.formats.frdump import _group_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS
 from frforensics.formats.native import _parse_ranks

@@ -156,7 +156,7 @@ def test_archives_are_read_one_member_at_a_time(tmp_path: Path) -> None:
 
 def test_streamed_timeline_and_convert_share_the_reader(tmp_path: Path) -> None:
     from frforensics.analyzer.convert import convert_dumps
-    from frforensics.reporting.timeline import write_timeline
+    from frforensics.analyzer.timeline import write_timeline
 
     root = _copy(tmp_path / "d")
     os.mkfifo(root / "nccl_trace_rank_7")

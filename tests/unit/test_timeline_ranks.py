@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
-from frforensics.analyzer import analyze
+from frforensics.analyzer import AnalyzeOptions, analyze
 from frforensics.analyzer.digest import digest
 from frforensics.analyzer.load import DumpSet
-from frforensics.reporting import _shared, html
+from frforensics.report import TIMELINE_RANKS
+from frforensics.reporting import html
 from frforensics.testing import JobBuilder
 
 
@@ -20,14 +19,12 @@ def _dumps() -> DumpSet:
     return ds
 
 
-def test_large_job_timeline_holds_the_shown_ranks_and_draws_the_same(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_job_timeline_holds_the_shown_ranks_and_draws_the_same() -> None:
     ds = _dumps()
     cut = analyze(ds)
     assert 300 in cut.culprit_ranks
     shown = {t.rank for t in cut.timeline}
-    assert len(shown) == _shared.TIMELINE_RANKS and set(cut.culprit_ranks) <= shown
-    monkeypatch.setattr(_shared, "TIMELINE_RANKS", 10**6)  # every rank's timeline
-    full = analyze(ds)
+    assert len(shown) == TIMELINE_RANKS and set(cut.culprit_ranks) <= shown
+    full = analyze(ds, options=AnalyzeOptions(timeline_ranks=10**6))  # every rank's timeline
     assert len(full.timeline) == 512
     assert html.render(cut) == html.render(full)

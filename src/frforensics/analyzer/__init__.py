@@ -27,6 +27,7 @@ from frforensics.report import (
     Report,
     Severity,
     TimelineOp,
+    timeline_ranks,
 )
 
 __all__ = ["AnalyzeOptions", "DumpSet", "analyze", "load_dumps"]
@@ -105,12 +106,11 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
         notes=tuple(notes),
         actions=derive_actions(ctx, findings, culprits, facts),
     )
-    # Only the HTML report draws timelines, of at most TIMELINE_RANKS ranks: a
-    # large job builds them for those ranks only (half a million ops at 16k ranks)
-    from frforensics.reporting._shared import TIMELINE_RANKS, timeline_ranks
+    # Only the HTML report draws timelines, of at most options.timeline_ranks ranks:
+    # a large job builds them for those ranks only (half a million ops at 16k ranks)
     ranks = None
-    if len(job.digests) > 8 * TIMELINE_RANKS:
-        ranks = timeline_ranks(report, job.digests, TIMELINE_RANKS)
+    if len(job.digests) > 8 * options.timeline_ranks:
+        ranks = timeline_ranks(report, job.digests, options.timeline_ranks)
     return replace(report, timeline=_timeline(ctx, ranks))
 
 

@@ -34,7 +34,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.digest import _is_library_file
+from frforensics.model import _is_library_file
 from frforensics.report import Action, Finding, FindingKind, RankFacts, code_sides
 
 __all__ = ["action_for", "derive_actions"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from frforensics.analyzer.merge import JobModel
 from frforensics.analyzer.signatures import Mismatch, find_mismatches
 from frforensics.analyzer.waits import Wait, WaitGraph
-from frforensics.report import GroupRef, format_ranks
+from frforensics.report import TIMELINE_RANKS, GroupRef, format_ranks
 
 __all__ = ["AnalyzeOptions", "Context"]
 
@@ -20,11 +20,15 @@ class AnalyzeOptions:
     ``hang_after_s``: an unfinished op younger than this at dump time is taken as
     in flight, not hung (applies only where the dump time is known).
     ``world_size``: the job's size when the dumps do not say (native dumps).
+    ``timeline_ranks``: the most ranks a drawn timeline shows; a job of more than
+    8 times as many loaded ranks gets timelines of those ranks only
+    (:func:`frforensics.report.timeline_ranks` chooses them, as the HTML report does).
     """
 
     world_size: int | None = None
     hang_after_s: float = 1.0
     max_findings_per_kind: int = 20
+    timeline_ranks: int = TIMELINE_RANKS
 
 
 @dataclass(frozen=True, slots=True)

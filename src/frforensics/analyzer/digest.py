@@ -39,6 +39,7 @@ from frforensics.model import (
     PeerHeartbeat,
     RankTrace,
     ThreadStack,
+    user_frame,
 )
 
 __all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame",
@@ -53,34 +54,9 @@ _SIZE_UNCHECKED: Final = frozenset(
     {"all_to_all", "all_to_all_single", "alltoall", "gather", "barrier", "coalesced", ""}
 )
 
-# Frames inside these paths are library plumbing, not the user's code.
-_LIBRARY_MARKERS: Final = (
-    "/torch/distributed/",
-    "/torch/nn/parallel/",
-    "/torch/utils/",
-    "/torch/_",
-    "frforensics/recorder",
-    "/site-packages/torch/",
-    "<frozen ",
-)
-
-
 def str_hash(s: str) -> int:
     """A stable 32-bit hash of a string (the same in every process)."""
     return zlib.crc32(s.encode("utf-8", "surrogatepass"))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _is_library_file(file: str) -> bool:
-    return any(marker in file for marker in _LIBRARY_MARKERS)
-
-
-def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
-    """The innermost frame in the user's code (outside torch and frforensics)."""
-    for frame in frames:
-        if not _is_library_file(frame.file):
-            return frame
-    return frames[0] if frames else None
 
 
 class EntryDetail(NamedTuple):

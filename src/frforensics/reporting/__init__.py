@@ -1,9 +1,9 @@
 """Reporters: render a :class:`~frforensics.report.Report`; they decide nothing.
 
 ``render(report, fmt)`` returns the text of one format; each reporter is a
-module with a ``render(report) -> str`` function. ``timeline`` is the exception:
-it renders the full traces ``formats.read_sources`` yields (every entry) as
-Chrome-trace JSON.
+module with a ``render(report) -> str`` function. Reporters read no dumps: the
+Chrome-trace timeline of every entry is an exporter beside ``convert``
+(:mod:`frforensics.analyzer.timeline`).
 """
 
 from __future__ import annotations
@@ -40,20 +40,14 @@ def render(report: Report, fmt: str) -> str:
     return renderer(report)
 
 
-def write_all(
-    report: Report,
-    out_dir: str | os.PathLike[str],
-    *,
-    dump_paths: list[str] | None = None,
-    prefix: str | None = None,
-) -> list[Path]:
+def write_all(report: Report, out_dir: str | os.PathLike[str]) -> list[Path]:
     """Write every format into ``out_dir`` (``report.txt``, ``report.json``, ``report.md``,
-    ``report.html``, ``report.xml``) and, when ``dump_paths`` are given, the
-    Chrome-trace timeline ``timeline.json`` of those dumps.
+    ``report.html``, ``report.xml``).
 
-    Used by ``--output-dir`` and the pytest plugin for CI artifacts. Each file
-    is written atomically (a reader never sees half of one). Returns the paths
-    written.
+    Used by ``--output-dir`` and the pytest plugin for CI artifacts (they write the
+    timeline beside it: :func:`frforensics.analyzer.timeline.write_timeline_file`).
+    Each file is written atomically (a reader never sees half of one). Returns the
+    paths written.
     """
     target = Path(out_dir)
     target.mkdir(parents=True, exist_ok=True)
@@ -61,19 +55,6 @@ def write_all(
     for fmt, renderer in FORMATS.items():
         path = target / f"report.{SUFFIXES.get(fmt, fmt)}"
         _write_atomic(path, renderer(report))
-        written.append(path)
-    if dump_paths:
-        from frforensics.formats import read_sources
-        from frforensics.reporting.timeline import write_timeline
-
-        path = target / "timeline.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                write_timeline(read_sources(dump_paths, prefix=prefix), fh)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         written.append(path)
     return written
 

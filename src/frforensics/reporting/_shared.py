@@ -1,32 +1,28 @@
-"""What several reporters need alike: the headline finding, culprit descriptions,
-and ranks grouped by state (ranges, so 10,000 ranks stay a few rows)."""
+"""What several reporters need alike: the headline finding, culprit descriptions.
+
+Ranks grouped by state and the timeline rank choice are functions of a
+:class:`~frforensics.report.Report` (``frforensics.report``: the analyzer chooses
+which ranks get a timeline with the same rule); re-exported here."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from frforensics.report import (
+    TIMELINE_RANKS,
+    Finding,
+    RankState,
+    Report,
+    Severity,
+    Status,
+    code_sides,
+    format_ranks,
+    rank_states,
+    timeline_ranks,
+)
 
-from frforensics.rankset import RankSet
-from frforensics.report import Finding, Report, Severity, Status, code_sides, format_ranks
-
-__all__ = ["RankState", "action_lines", "code_sides", "culprit_label", "rank_states", "seq_label",
-           "top_finding"]
+__all__ = ["TIMELINE_RANKS", "RankState", "action_lines", "code_sides", "culprit_label",
+           "rank_states", "seq_label", "timeline_ranks", "top_finding"]
 
 MAX_STATES = 12
-
-
-@dataclass(frozen=True, slots=True)
-class RankState:
-    """Ranks that were doing the same thing at dump time."""
-
-    state: str
-    #: a tuple, or the report's RankSet of ranks without a dump (too many to list)
-    ranks: Sequence[int]
-
-    @property
-    def ranks_label(self) -> str:
-        return format_ranks(self.ranks)
 
 
 def top_finding(report: Report) -> Finding | None:
@@ -81,26 +77,6 @@ def seq_label(finding: Finding) -> str:
     return f"{op} #{finding.seq}" if finding.seq_kind != "p2p" else f"{op} (p2p #{finding.seq})"
 
 
-def rank_states(report: Report) -> list[RankState]:
-    """Ranks grouped by what they were doing, biggest group first."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for rank, facts in report.ranks.items():
-        if facts.blocked_in:
-            key = f"blocked in {facts.blocked_in}"
-        elif facts.stuck_at:
-            key = f"not in a collective; main thread at {facts.stuck_at}"
-        else:
-            key = "not blocked in any recorded op"
-        groups[key].append(rank)
-    states = [RankState(k, tuple(sorted(v))) for k, v in groups.items()]
-    if report.ranks_missing:
-        missing = report.ranks_missing
-        states.append(RankState("no dump", missing if isinstance(missing, RankSet)
-                                else tuple(sorted(missing))))
-    states.sort(key=lambda s: (-len(s.ranks), s.ranks[0]))
-    return states
-
-
 STATUS_WORD = {
     Status.HEALTHY: "HEALTHY",
     Status.DEGRADED: "DEGRADED",
@@ -108,26 +84,3 @@ STATUS_WORD = {
     Status.DESYNC: "DESYNC",
     Status.UNREADABLE: "UNREADABLE",
 }
-
-
-#: ranks a drawn timeline (HTML) shows at most
-TIMELINE_RANKS = 32
-
-
-def timeline_ranks(report: Report, available: Collection[int], limit: int) -> list[int]:
-    """The ranks a drawn timeline shows: culprits first, then a few ranks of each
-    state, filled up in rank order; at most ``limit``, all from ``available``."""
-    chosen: list[int] = [r for r in report.culprit_ranks if r in available][:limit // 2]
-    states = rank_states(report)
-    per_state = max(1, (limit - len(chosen)) // max(1, len(states)))
-    for st in states:
-        for r in st.ranks[:per_state]:
-            if r in available and r not in chosen and len(chosen) < limit:
-                chosen.append(r)
-    for r in sorted(available):  # fill up, small jobs show every rank
-        if len(chosen) >= limit:
-            break
-        if r not in chosen:
-            chosen.append(r)
-    chosen.sort(key=lambda r: (r not in report.culprit_ranks, r))
-    return chosen

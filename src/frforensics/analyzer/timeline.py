@@ -1,13 +1,16 @@
 """Chrome-trace / Perfetto JSON of every rank's recorded ops (``fr-analyze timeline``).
 
-Unlike the other reporters this one renders full traces, not a
-:class:`~frforensics.report.Report`: a timeline shows every entry of every
-ring. It reads no files: it takes the stream of traces and load problems that
+An exporter beside ``convert``, not a reporter: reporters render a
+:class:`~frforensics.report.Report`, a timeline shows every entry of every
+ring. ``write_timeline`` takes the stream of traces and load problems that
 :func:`frforensics.formats.read_sources` yields (one dump at a time) and writes
 each rank's events before the next trace arrives, so memory stays at one
 dump's worth::
 
     write_timeline(read_sources(paths, prefix=prefix), out)
+
+``write_timeline_file(paths, path)`` does that into a file, atomically (``fr-analyze
+--output-dir`` and the pytest plugin's ``timeline.json``).
 
 The trace (load it in ui.perfetto.dev or ``chrome://tracing``):
 
@@ -26,15 +29,17 @@ The trace (load it in ui.perfetto.dev or ``chrome://tracing``):
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
-from frforensics.analyzer.digest import user_frame
-from frforensics.model import OpState, RankTrace
+from frforensics.formats.sources import read_sources
+from frforensics.model import OpState, RankTrace, user_frame
 from frforensics.report import LoadProblem
 
-__all__ = ["TimelineSummary", "trace_events", "write_timeline"]
+__all__ = ["TimelineSummary", "trace_events", "write_timeline", "write_timeline_file"]
 
 _LANES = 64  # tids per group: lane k of group g is g * _LANES + k
 _STATES = {int(s): s for s in OpState}
@@ -212,4 +217,19 @@ def write_timeline(
     other = {"tool": "frforensics", "ranks": sorted(summary.ranks),
              "problems": [{"path": p, "error": e} for p, e in summary.problems]}
     out.write('\n], "otherData": ' + json.dumps(other) + "}\n")
+    return summary
+
+
+def write_timeline_file(paths: Sequence[str | os.PathLike[str]], path: str | os.PathLike[str],
+                        *, prefix: str | None = None) -> TimelineSummary:
+    """Read the dumps at ``paths`` and write their timeline to ``path`` atomically
+    (a reader never sees half of it)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            summary = write_timeline(read_sources([str(p) for p in paths], prefix=prefix), fh)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
     return summary
