@@ -4,9 +4,10 @@ The central passes that walk every (rank, group) at once give what the
 group-by-group, member-by-member reference gives.
 
 ``signatures.find_mismatches`` and ``timeout._late_entries`` run over
-``merge.collective_rows`` (every rank's collectives in one numpy pass) where the
-groups list their members in rank order; ``find_mismatches_by_group`` and
-``_late_entries_by_group`` are the simple forms they replace. Generated jobs
+``merge.collective_rows`` (every rank's collectives in one numpy pass, each
+seq's rows in the group's member order); ``find_mismatches_by_group`` and
+``_late_entries_by_group`` here are the simple forms they replaced, kept as
+oracles, also on groups that list their members out of rank order. Generated jobs
 (NCCL and gloo, coalesced blocks, rings that evicted entries, mismatches, late
 entries) must come out the same, order of the evidence included. A batch of
 digests shares its equal stacks and texts before it travels to the main
@@ -32,13 +33,14 @@ from frforensics.analyzer.detectors.straggler import (
     _first_of_each_by_group,
     _release,
 )
-from frforensics.analyzer.detectors.timeout import _late_entries, _late_entries_by_group
+from frforensics.analyzer.detectors.timeout import _late_entries, _late_finding
 from frforensics.analyzer.digest import RankDigest, digest
 from frforensics.analyzer.load import _share_groups, load_dumps
 from frforensics.analyzer.merge import JobModel, build_job, collective_rows
-from frforensics.analyzer.signatures import Mismatch, find_mismatches, find_mismatches_by_group
+from frforensics.analyzer.signatures import Mismatch, _bad, _render, find_mismatches, units
 from frforensics.analyzer.waits import build_wait_graph
 from frforensics.formats import decode_dump
+from frforensics.report import Finding
 from frforensics.testing import JobBuilder
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "native"
@@ -79,6 +81,70 @@ def _digests(mode: str, seed: int) -> dict[int, RankDigest]:
     return out
 
 
+def find_mismatches_by_group(job: JobModel) -> tuple[Mismatch, ...]:
+    """The oracle of :func:`find_mismatches`: group by group, member by member (``units``)."""
+    found: list[Mismatch] = []
+    for group in job.groups:
+        parts = [u for r in job.dumped_members(group.gid)
+                 if (u := units(job, r, group.gid)) is not None]
+        if len(parts) < 2:
+            continue
+        seq, ranks, op, dtype, size = (np.concatenate(col) for col in zip(*parts, strict=True))
+        order = np.argsort(seq, kind="stable")
+        seq, ranks, op, dtype, size = seq[order], ranks[order], op[order], dtype[order], size[order]
+        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+        bad_op, bad_size, bad_dtype = _bad(starts, op, dtype, size)
+        for name, bad, column in (("op", bad_op, op), ("dtype", bad_dtype, dtype),
+                                  ("size", bad_size, size)):
+            hits = np.flatnonzero(bad)
+            if len(hits) == 0:
+                continue
+            first = int(hits[0])
+            lo = int(starts[first])
+            hi = int(starts[first + 1]) if first + 1 < len(starts) else len(seq)
+            raw = {int(r): int(v) for r, v in zip(ranks[lo:hi], column[lo:hi], strict=True)}
+            values = {r: _render(job, name, r, v, group.gid, int(seq[lo])) for r, v in raw.items()}
+            found.append(Mismatch(group.gid, int(seq[lo]), name,  # type: ignore[arg-type]
+                                  values, len(hits) - 1, raw))
+    return tuple(found)
+
+
+def _late_entries_by_group(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
+    """The oracle of :func:`_late_entries`: group by group, member by member."""
+    findings: list[Finding] = []
+    for group in ctx.job.groups:
+        cols = []
+        for rank in ctx.job.dumped_members(group.gid):
+            view = ctx.job.view(rank, group.gid)
+            if view is None or len(view.coll_rows) == 0:
+                continue
+            d = ctx.job.digests[rank]
+            rows = view.coll_rows
+            cols.append((d.seq[rows], np.full(len(rows), rank), d.t_enqueue_ns[rows],
+                         d.timeout_ms[rows]))
+        if len(cols) < 2:
+            continue
+        seq, ranks, t, tmo = (np.concatenate(c) for c in zip(*cols, strict=True))
+        order = np.lexsort((t, seq))
+        seq, ranks, t, tmo = seq[order], ranks[order], t[order], tmo[order]
+        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+        first_t = np.repeat(t[starts], np.diff(np.r_[starts, len(seq)]))
+        late = (t > 0) & (first_t > 0) & (tmo > 0) & ((t - first_t) > tmo * 1_000_000)
+        hits = np.flatnonzero(late)
+        if len(hits) == 0:
+            continue
+        s0 = int(seq[hits[0]])
+        if (group.name, s0) in known or (group.gid, s0) in ctx.desynced:
+            continue
+        finding = _late_finding(ctx, group.gid, s0, int(tmo[hits[0]]))
+        if finding is None:
+            continue
+        findings.append(finding)
+        if len(findings) >= ctx.options.max_findings_per_kind:
+            break
+    return findings
+
+
 def _said(ms: tuple[Mismatch, ...]) -> list[object]:
     return [(m.gid, m.seq, m.field, list(m.values.items()), m.later, list(m.raw.items()))
             for m in ms]
@@ -90,7 +156,6 @@ def _context(digests: dict[int, RankDigest]) -> Context:
 
 
 def _assert_same(job: JobModel, ctx: Context) -> None:
-    assert job.members_ascending()
     assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
     fast = [f.to_json() for f in _late_entries(ctx, set())]
     slow = [f.to_json() for f in _late_entries_by_group(ctx, set())]
@@ -103,6 +168,7 @@ def test_all_group_passes_agree_with_the_per_group_reference(mode: str) -> None:
     for seed in range(14):
         digests = _digests(mode, seed)
         ctx = _context(digests)
+        assert ctx.job.members_ascending()
         _assert_same(ctx.job, ctx)
         seen["mismatch"] += bool(find_mismatches_by_group(ctx.job))
         seen["late"] += bool(_late_entries_by_group(ctx, set()))
@@ -139,20 +205,51 @@ def test_collective_rows_are_every_members_view() -> None:
     assert keys == sorted(keys)
 
 
-def test_members_listed_out_of_rank_order_take_the_reference_path() -> None:
-    digests = _digests("nccl", 5)
-    # a group whose dump lists its members in descending order
-    rank = min(digests)
-    d = digests[rank]
-    local = next(i for i, g in enumerate(d.groups) if g.ranks and 1 < len(g.ranks) < len(digests))
-    flipped = tuple(reversed(d.groups[local].ranks or ()))
-    for r, dr in list(digests.items()):
-        groups = tuple(replace(g, ranks=flipped) if g.ranks == tuple(sorted(flipped)) else g
-                       for g in dr.groups)
-        digests[r] = replace(dr, groups=groups)
-    job = build_job(digests)
+def _permuted(digests: dict[int, RankDigest], rng: random.Random) -> dict[int, RankDigest]:
+    """The same dumps with every group of several members listing them in a random
+    order (the same order, one tuple, in every rank's dump)."""
+    orders: dict[tuple[int, ...], tuple[int, ...]] = {}
+    out = {}
+    for r, d in digests.items():
+        groups = []
+        for g in d.groups:
+            if g.ranks is not None and len(g.ranks) > 1:
+                key = tuple(sorted(g.ranks))
+                if key not in orders:
+                    members = list(key)
+                    while len(members) > 1 and tuple(members) == key:
+                        rng.shuffle(members)
+                    orders[key] = tuple(members)
+                g = replace(g, ranks=orders[key])
+            groups.append(g)
+        out[r] = replace(d, groups=tuple(groups))
+    return out
+
+
+def test_members_listed_out_of_rank_order_agree_with_the_per_group_reference() -> None:
+    # (NCCL dumps list members; PyTorch's gloo dumps list none, nothing to permute)
+    seen = {"mismatch": 0, "late": 0}
+    for seed in range(14):
+        digests = _permuted(_digests("nccl", seed), random.Random(seed))
+        ctx = _context(digests)
+        assert not ctx.job.members_ascending()
+        _assert_same(ctx.job, ctx)
+        seen["mismatch"] += bool(find_mismatches_by_group(ctx.job))
+        seen["late"] += bool(_late_entries_by_group(ctx, set()))
+    assert all(seen.values()), seen
+
+
+def test_collective_rows_come_in_member_order_when_members_are_listed_out_of_order() -> None:
+    job = build_job(_permuted(_digests("nccl", 5), random.Random(5)))
     assert not job.members_ascending()
-    assert _said(find_mismatches(job)) == _said(find_mismatches_by_group(job))
+    c = collective_rows(job)
+    position = {g: {r: i for i, r in enumerate(job.dumped_members(g))}
+                for g in range(len(job.groups))}
+    # ordered by (group, seq), member then record order within
+    keys = [(g, s, position[g][c.ranks[a]], t) for g, s, a, t in zip(
+        c.gid[c.order].tolist(), c.seq[c.order].tolist(), c.at[c.order].tolist(),
+        c.take[c.order].tolist(), strict=True)]
+    assert keys == sorted(keys)
 
 
 def _same_digest(a: RankDigest, b: RankDigest) -> None:

@@ -26,7 +26,7 @@ from frforensics.analyzer.merge import CollectiveRows, JobModel, collective_rows
 
 Field = Literal["op", "dtype", "size"]
 
-__all__ = ["Field", "Mismatch", "find_mismatches", "find_mismatches_by_group", "units"]
+__all__ = ["Field", "Mismatch", "find_mismatches", "units"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,18 +112,15 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     """Every group's first mismatch per field (op, then size, then dtype).
 
     All groups in one numpy pass over every rank's collectives
-    (``merge.collective_rows``) when the groups list their members in rank
-    order (PyTorch sorts them), so that rank order is group order; otherwise
-    group by group (``find_mismatches_by_group``, the reference: both give the
-    same result)."""
-    if not job.members_ascending():
-        return find_mismatches_by_group(job)
+    (``merge.collective_rows``, whose rows of a seq come in the group's member
+    order whatever order the group lists its members in; the tests hold the
+    group-by-group form as their oracle)."""
     c = collective_rows(job)
     keep = _uncut(job, c)
     order = c.order if keep is None else c.order[keep[c.order]]
     if len(order) == 0:
         return ()
-    # by (group, seq), then rank (= member order here), then record order
+    # by (group, seq), then member order, then record order
     seq, gid, at = c.seq[order], c.gid[order], c.at[order]
     index = c.take[order]
     del order
@@ -206,34 +203,6 @@ def _bad(starts: npt.NDArray[np.intp], op: npt.NDArray[np.int64], dtype: npt.NDA
     bad_dtype = multi & ~bad_op & ~bad_size & (
         np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
     return bad_op, bad_size, bad_dtype
-
-
-def find_mismatches_by_group(job: JobModel) -> tuple[Mismatch, ...]:
-    """:func:`find_mismatches` group by group, member by member (``units``)."""
-    found: list[Mismatch] = []
-    for group in job.groups:
-        parts = [u for r in job.dumped_members(group.gid)
-                 if (u := units(job, r, group.gid)) is not None]
-        if len(parts) < 2:
-            continue
-        seq, ranks, op, dtype, size = (np.concatenate(col) for col in zip(*parts, strict=True))
-        order = np.argsort(seq, kind="stable")
-        seq, ranks, op, dtype, size = seq[order], ranks[order], op[order], dtype[order], size[order]
-        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-        bad_op, bad_size, bad_dtype = _bad(starts, op, dtype, size)
-        for name, bad, column in (("op", bad_op, op), ("dtype", bad_dtype, dtype),
-                                  ("size", bad_size, size)):
-            hits = np.flatnonzero(bad)
-            if len(hits) == 0:
-                continue
-            first = int(hits[0])
-            lo = int(starts[first])
-            hi = int(starts[first + 1]) if first + 1 < len(starts) else len(seq)
-            raw = {int(r): int(v) for r, v in zip(ranks[lo:hi], column[lo:hi], strict=True)}
-            values = {r: _render(job, name, r, v, group.gid, int(seq[lo])) for r, v in raw.items()}
-            found.append(Mismatch(group.gid, int(seq[lo]), name,  # type: ignore[arg-type]
-                                  values, len(hits) - 1, raw))
-    return tuple(found)
 
 
 def _render(job: JobModel, name: str, rank: int, value: int, gid: int, seq: int) -> str:

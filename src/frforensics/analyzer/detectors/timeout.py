@@ -143,13 +143,11 @@ def _late_members(arrivals: dict[int, int], timeout_ms: int) -> list[int]:
 def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
     """Collectives that some member entered later than the timeout after the first.
 
-    Every group at once (``merge.collective_rows``) where rank order is member
-    order; otherwise group by group (``_late_entries_by_group``, the reference)."""
+    Every group at once (``merge.collective_rows``; the tests hold the group by
+    group form as their oracle)."""
     job = ctx.job
-    if not job.members_ascending():
-        return _late_entries_by_group(ctx, known)
     c = collective_rows(job)
-    order = c.order  # by (gid, seq), then rank (= member order here), then record order
+    order = c.order  # by (gid, seq), then member order, then record order
     if len(order) == 0:
         return []
     seq, gid = c.seq[order], c.gid[order]
@@ -187,42 +185,6 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
             findings.append(finding)
             if len(findings) >= ctx.options.max_findings_per_kind:
                 break
-    return findings
-
-
-def _late_entries_by_group(ctx: Context, known: set[tuple[str, int | None]]) -> list[Finding]:
-    """:func:`_late_entries` group by group, member by member."""
-    findings: list[Finding] = []
-    for group in ctx.job.groups:
-        cols = []
-        for rank in ctx.job.dumped_members(group.gid):
-            view = ctx.job.view(rank, group.gid)
-            if view is None or len(view.coll_rows) == 0:
-                continue
-            d = ctx.job.digests[rank]
-            rows = view.coll_rows
-            cols.append((d.seq[rows], np.full(len(rows), rank), d.t_enqueue_ns[rows],
-                         d.timeout_ms[rows]))
-        if len(cols) < 2:
-            continue
-        seq, ranks, t, tmo = (np.concatenate(c) for c in zip(*cols, strict=True))
-        order = np.lexsort((t, seq))
-        seq, ranks, t, tmo = seq[order], ranks[order], t[order], tmo[order]
-        starts = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-        first_t = np.repeat(t[starts], np.diff(np.r_[starts, len(seq)]))
-        late = (t > 0) & (first_t > 0) & (tmo > 0) & ((t - first_t) > tmo * 1_000_000)
-        hits = np.flatnonzero(late)
-        if len(hits) == 0:
-            continue
-        s0 = int(seq[hits[0]])
-        if (group.name, s0) in known or (group.gid, s0) in ctx.desynced:
-            continue
-        finding = _late_finding(ctx, group.gid, s0, int(tmo[hits[0]]))
-        if finding is None:
-            continue
-        findings.append(finding)
-        if len(findings) >= ctx.options.max_findings_per_kind:
-            break
     return findings
 
 
