@@ -8,11 +8,9 @@ from pathlib import Path
 import pytest
 
 from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
-from frforensics.analyzer.digest import digest
-from frforensics.analyzer.load import DumpSet
-from frforensics.formats import decode_dump
-from frforensics.report import FindingKind, Report, Severity
-from frforensics.testing import JobBuilder, JobDumps
+from frforensics.report import FindingKind, Severity
+from frforensics.testing import JobBuilder
+from helpers import analyze_dumps
 
 NATIVE = Path(__file__).resolve().parents[1] / "data" / "native"
 LAYOUTS = {
@@ -20,19 +18,6 @@ LAYOUTS = {
     16: dict(tp=2, pp=2, dp=4),
     64: dict(tp=8, pp=4, dp=2),
 }
-
-
-def analyze_dumps(dumps: JobDumps, fmt: str) -> Report:
-    ds = DumpSet()
-    if fmt == "frdump":
-        for r, t in dumps.traces().items():
-            ds.digests[r] = digest(t, rank=r)
-    else:
-        for r in dumps.native_ranks:
-            t = decode_dump(dumps.native_bytes(r, "json" if fmt == "json" else "pickle"),
-                            source=f"nccl_trace_rank_{r}", rank_hint=r)
-            ds.digests[r] = digest(t, rank=r)
-    return analyze(ds, options=AnalyzeOptions(world_size=dumps.world_size))
 
 
 def job(size: int, seed: int = 0, ring: int = 2000) -> JobBuilder:

@@ -198,12 +198,11 @@ def _straggler_job(*, steps: int = 6, delay_ms: float = 20.0, timing: bool = Tru
 
 
 def _analyze(docs: dict[int, dict[str, Any]], fmt: str) -> Report:
-    ds = DumpSet()
-    for r, doc in docs.items():
-        data = json.dumps(doc).encode() if fmt == "json" else pickle.dumps(doc, protocol=2)
-        ds.digests[r] = digest(decode_dump(data, source=f"nccl_trace_rank_{r}", rank_hint=r),
-                               rank=r)
-    return analyze(ds, options=AnalyzeOptions(world_size=4))
+    traces = {r: decode_dump(json.dumps(doc).encode() if fmt == "json"
+                             else pickle.dumps(doc, protocol=2),
+                             source=f"nccl_trace_rank_{r}", rank_hint=r)
+              for r, doc in docs.items()}
+    return analyze(DumpSet.from_traces(traces), options=AnalyzeOptions(world_size=4))
 
 
 @pytest.mark.parametrize("fmt", ["pickle", "json"])

@@ -11,24 +11,12 @@ from frforensics.analyzer.digest import digest
 from frforensics.analyzer.load import DumpSet
 from frforensics.analyzer.merge import build_job
 from frforensics.analyzer.waits import build_wait_graph
-from frforensics.formats import decode_dump
 from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.report import FindingKind, Report, Severity
-from frforensics.testing import JobBuilder, JobDumps
+from frforensics.testing import JobBuilder
+from helpers import analyze_dumps
 
 LAYOUTS = {8: dict(tp=2, pp=2, dp=2), 16: dict(tp=2, pp=4, dp=2), 64: dict(tp=8, pp=4, dp=2)}
-
-
-def analyze_dumps(dumps: JobDumps, fmt: str) -> Report:
-    ds = DumpSet()
-    if fmt == "frdump":
-        for r, t in dumps.traces().items():
-            ds.digests[r] = digest(t, rank=r)
-    else:
-        for r in dumps.native_ranks:
-            t = decode_dump(dumps.native_bytes(r, "pickle"), source=f"nccl_trace_rank_{r}", rank_hint=r)
-            ds.digests[r] = digest(t, rank=r)
-    return analyze(ds, options=AnalyzeOptions(world_size=dumps.world_size))
 
 
 def job(size: int, ring: int = 2000, seed: int = 0) -> JobBuilder:

@@ -32,7 +32,7 @@ import gc
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -47,7 +47,7 @@ from frforensics.formats.sources import (
     read_source,
     settle_duplicate,
 )
-from frforensics.model import Frame, GroupInfo, ThreadStack
+from frforensics.model import Frame, GroupInfo, RankTrace, ThreadStack
 from frforensics.report import LoadProblem
 
 __all__ = [
@@ -77,6 +77,12 @@ class DumpSet:
     @property
     def ranks(self) -> list[int]:
         return sorted(self.digests)
+
+    @classmethod
+    def from_traces(cls, traces: Mapping[int, RankTrace]) -> DumpSet:
+        """The dump set of traces already decoded in memory (rank -> trace), each
+        digested as ``load_dumps`` would (tests, benchmarks, library callers)."""
+        return cls(digests={r: digest(t, rank=r) for r, t in traces.items()})
 
     def add(self, item: RankDigest | LoadProblem | Skipped) -> None:
         """Take one outcome: a digest (duplicates settled), a problem, or a skipped file."""

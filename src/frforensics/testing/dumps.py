@@ -796,9 +796,15 @@ class JobDumps:
             death=death,
         )
 
-    def traces(self) -> dict[int, RankTrace]:
-        """Every dumping rank's :class:`RankTrace` (frdump form)."""
-        return {r: self.trace(r) for r in self.dumping_ranks}
+    def traces(self, fmt: Literal["frdump", "pickle", "json"] = "frdump") -> dict[int, RankTrace]:
+        """Every dumping rank's :class:`RankTrace`: the frdump form, or (``pickle``,
+        ``json``) what decoding that rank's native dump file gives (native ranks only)."""
+        if fmt == "frdump":
+            return {r: self.trace(r) for r in self.dumping_ranks}
+        from frforensics.formats import decode_dump
+
+        return {r: decode_dump(self.native_bytes(r, fmt), source=f"nccl_trace_rank_{r}",
+                               rank_hint=r) for r in self.native_ranks}
 
     # ---------------------------------------------------------------- native
     def native_doc(self, rank: int) -> dict[str, Any]:
