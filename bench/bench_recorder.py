@@ -2,6 +2,7 @@
 
     python bench/bench_recorder.py [--ops 20000] [--repeats 5]
     python bench/bench_recorder.py --inprocess [--stack-depth 8]
+    python bench/bench_recorder.py [--inprocess] --smoke   # seconds: CI's check that it runs
 
 ``--inprocess`` interleaves, in one process, plain gloo and the recorded gloo
 group with the recorder's pure-Python stack walk and with the C walk
@@ -173,8 +174,8 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
     plain = dist.new_group([0], backend="gloo")
     sess = recorder.session()
     assert sess is not None and sess.watchdog is not None
-    rec, dog = sess.rec, sess.watchdog
-    dog_clock = time.pthread_getcpuclockid(dog.ident)
+    rec, watchdog = sess.rec, sess.watchdog
+    dog_clock = time.pthread_getcpuclockid(watchdog.ident)
     t = torch.ones(16)
 
     # The recording wrapper over a no-op backend: our own cost, no gloo.
@@ -240,7 +241,7 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
         print(f"{name:<22} {statistics.median(wall[name]):>9.2f} "
               f"{statistics.median(cpu[name]):>9.2f} {added:>+10.2f} "
               f"{statistics.median(dog[name]):>16.2f}")
-    dog.drop_works()
+    watchdog.drop_works()
     dist.destroy_process_group()
 
 
@@ -252,9 +253,14 @@ def main() -> None:
     parser.add_argument("--inprocess", action="store_true",
                         help="plain vs recorded gloo interleaved in one process (CPU per op)")
     parser.add_argument("--stack-depth", type=int, default=8)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a seconds-long run of every path (CI: the script cannot rot)")
     args = parser.parse_args()
+    if args.smoke:
+        args.ops, args.repeats = 600, 1  # 4 x 600 noop ops fill the 2000-entry ring
     if args.inprocess:
-        _inprocess(min(args.ops, 3000), max(args.repeats, 9), args.stack_depth)
+        _inprocess(100 if args.smoke else min(args.ops, 3000),
+                   1 if args.smoke else max(args.repeats, 9), args.stack_depth)
         return
     if args.child:
         print(json.dumps(_child(args.child, args.ops)))

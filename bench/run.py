@@ -45,6 +45,7 @@ import _datasets as datasets
 from _measure import Run, measure
 
 ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"  # --results
 VENV_BIN = Path(sys.executable).parent
 TORCHFRTRACE = os.environ.get("TORCHFRTRACE", str(VENV_BIN / "torchfrtrace"))
 FR_ANALYZE = [sys.executable, "-m", "frforensics"]
@@ -79,7 +80,7 @@ def _bench_set(name: str, ranks: int, native: Path | None, frdump: Path | None, 
         tools["unpickle floor (no gc)"] = [*floor, "--no-gc"]
     runs: dict[str, list[Run]] = {tool: [] for tool in tools}
     verdicts: dict[str, str] = {}
-    out = ROOT / "results" / "last-report.json.tmp"
+    out = RESULTS / "last-report.json.tmp"
     for i in range(repeat):
         for tool, cmd in tools.items():  # alternate tools within each repeat
             run = measure(cmd, stdout=out if tool.startswith("fr-analyze") else None)
@@ -178,7 +179,7 @@ def _fit(results: dict[str, dict[str, Any]]) -> tuple[float, float] | None:
 def _bench_dask(args: argparse.Namespace) -> None:
     import distributed
 
-    out = ROOT / "results" / "last-report.json.tmp"
+    out = RESULTS / "last-report.json.tmp"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     rows: list[dict[str, Any]] = []
     extra = ""
@@ -277,13 +278,14 @@ def _dask_table(rows: list[dict[str, Any]], args: argparse.Namespace, stamp: str
     body = (f"fr-analyze --dask (LocalCluster, {args.jobs} worker processes) vs the local pool "
             f"(--jobs {args.jobs}), {os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}, "
             f"one run each\n\n" + "\n".join(lines) + "\n" + extra)
-    (ROOT / "results" / f"bench-dask-{stamp}.md").write_text(body)
-    (ROOT / "results" / f"bench-dask-{stamp}.json").write_text(json.dumps(rows, indent=1))
+    (RESULTS / f"bench-dask-{stamp}.md").write_text(body)
+    (RESULTS / f"bench-dask-{stamp}.json").write_text(json.dumps(rows, indent=1))
     print()
     print(body)
 
 
 def main() -> None:
+    global RESULTS
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="256,1024,4096")
     ap.add_argument("--repeat", type=int, default=3)
@@ -293,6 +295,8 @@ def main() -> None:
     ap.add_argument("--big-frdump", type=int, default=16384, help="0: skip")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="folder for the tables (CI's smoke run: a temporary one)")
     ap.add_argument("--dask", action="store_true", help="the --dask comparison instead")
     ap.add_argument("--dask-sets",
                     default="16384:2000:frdump,16384:500:frdump,32768:250:frdump,4096:2000:native",
@@ -301,12 +305,13 @@ def main() -> None:
     ap.add_argument("--dask-profile", default="16384:2000:frdump",
                     help="the set whose central process is profiled (right after its runs)")
     args = ap.parse_args()
+    RESULTS = args.results
     if args.dask:
-        (ROOT / "results").mkdir(exist_ok=True)
+        RESULTS.mkdir(parents=True, exist_ok=True)
         _bench_dask(args)
         return
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    (ROOT / "results").mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
 
     print("dump sets:", flush=True)
     sets: list[tuple[str, int, Path | None, Path | None, list[str]]] = []
@@ -336,8 +341,8 @@ def main() -> None:
     if not args.no_profile:
         largest = max((s for s in sets if s[2] is not None), key=lambda s: s[1])
         body += f"\n## Profile ({largest[0]})\n\n```\n{_profile(largest[2], args.jobs)}```\n"  # type: ignore[arg-type]
-    (ROOT / "results" / f"bench-{stamp}.md").write_text(body)
-    (ROOT / "results" / f"bench-{stamp}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"bench-{stamp}.md").write_text(body)
+    (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(results, indent=1))
     print()
     print(body)
 
