@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from frforensics._atomic import atomic_file, write_atomic
 from frforensics.errors import UsageError
 from frforensics.report import Report
 from frforensics.reporting import html, json_report, junit, markdown, text
@@ -67,18 +68,11 @@ def write_all(
         from frforensics.reporting.timeline import write_timeline
 
         path = target / "timeline.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                write_timeline(read_sources(dump_paths, prefix=prefix), fh)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_file(path) as fh:
+            write_timeline(read_sources(dump_paths, prefix=prefix), fh)
         written.append(path)
     return written
 
 
 def _write_atomic(path: Path, text_: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text_, encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, text_)
