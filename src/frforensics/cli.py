@@ -9,7 +9,6 @@ traceback).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
 import typer
 
 from frforensics import __version__
+from frforensics._atomic import WriteError, atomic_file, write_atomic
 from frforensics.errors import FrForensicsError, OutputError, UsageError
 from frforensics.formats.limits import DEFAULT_LIMITS
 
@@ -54,6 +54,8 @@ def _stderr(message: str) -> None:
 
 
 def _cannot_write(path: Path, exc: OSError) -> OutputError:
+    if isinstance(exc, WriteError):  # names the path it could not write already
+        return OutputError(f"{exc}; choose another output path")
     return OutputError(f"{path}: cannot write ({exc.strerror or exc}); "
                        "choose another output path")
 
@@ -83,9 +85,7 @@ def _write(text: str, output: Path | None) -> None:
         return
     _check_output_file(output)
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        with open(output, "w", encoding="utf-8") as fh:  # close() reports a full disk
-            fh.write(text)
+        write_atomic(output, text, make_parents=True)
     except OSError as exc:
         raise _cannot_write(output, exc) from None
 
@@ -218,22 +218,16 @@ def timeline(
     from frforensics.reporting._escape import printable
 
     _check_output_file(output)
-    tmp = output.with_name(f".{output.name}.tmp")
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as fh:
+        with atomic_file(output, make_parents=True) as fh:
             summary = _with_progress(
                 lambda cb: write_timeline(read_sources([str(p) for p in paths], prefix=prefix),
                                           fh, progress=cb),
                 enabled=progress and _stderr_is_terminal(),
                 what="reading dumps",
             )
-        os.replace(tmp, output)
     except OSError as exc:  # reading never raises OSError (those are load problems)
         raise _cannot_write(output, exc) from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
     for label, error in summary.problems[:20]:
         print(printable(f"skipped {label}: {error}"), file=sys.stderr)
     if len(summary.problems) > 20:
@@ -276,13 +270,16 @@ def verdict(
     report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size,
                                                         hang_after_s=hang_after))
     human = text.render(report, color=False)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _cannot_write(out_dir, exc) from None
     for name, body in (("verdict.json", json_report.render(report)), ("verdict.txt", human),
                        ("verdict.html", html.render(report))):
-        target = out_dir / name
-        tmp = target.with_name(f".{name}.tmp")
-        tmp.write_text(body, encoding="utf-8")
-        os.replace(tmp, target)
+        try:
+            write_atomic(out_dir / name, body)
+        except OSError as exc:
+            raise _cannot_write(out_dir / name, exc) from None
     sys.stdout.write(human)
     raise typer.Exit(report.exit_code)
 

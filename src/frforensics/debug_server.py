@@ -17,6 +17,15 @@ adds ``/frforensics_verdict``: the newest verdict of the job (the store key
 as the same report the HTML reporter writes (``verdict.html`` next to
 ``verdict.json``), inside the debug server's own page; before any hang it
 says so. It reads the store and a file: no analysis runs in the server.
+
+The store is written by every rank, so its verdict key is a peer's word
+(docs/security.md): the report is shown only when the key names
+``verdict.json`` in *this job's* dump folder (``dump_dir``, default the
+recorder's, or ``FRFORENSICS_DUMP_DIR``) and ``verdict.html`` there is a
+regular file (not a link) of at most :data:`MAX_REPORT_BYTES`; anything else
+shows the verdict's text only. The report is rendered in a sandboxed iframe
+(``sandbox`` with no ``allow-same-origin`` or ``allow-scripts``), never as the
+debug server's origin.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +46,8 @@ from torch.distributed.debug._frontend import (  # type: ignore[import-not-found
 __all__ = ["VerdictHandler"]
 
 PATH = "/frforensics_verdict"
+#: the largest report file shown
+MAX_REPORT_BYTES = 16 << 20
 
 _TEMPLATE = """
 {% extends "base.html" %}
@@ -43,7 +55,7 @@ _TEMPLATE = """
 {% block content %}
   <p>{{ summary }}</p>
   {% if report_html %}
-  <iframe title="frforensics report" srcdoc="{{ report_html }}"
+  <iframe title="frforensics report" sandbox srcdoc="{{ report_html }}"
           style="width:100%;height:80vh;border:1px solid #ccc"></iframe>
   {% endif %}
 {% endblock %}
@@ -53,8 +65,43 @@ _TEMPLATE = """
 class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
     """Adds the "Verdict" page (``/frforensics_verdict``) to PyTorch's debug server."""
 
-    def __init__(self, *, max_incidents: int = 64) -> None:
+    def __init__(self, *, max_incidents: int = 64,
+                 dump_dir: str | os.PathLike[str] | None = None) -> None:
         self.max_incidents = max_incidents
+        self._dump_dir = None if dump_dir is None else Path(dump_dir)
+
+    def dump_dir(self) -> Path | None:
+        """This job's dump folder: the one given, the recorder's, or FRFORENSICS_DUMP_DIR."""
+        if self._dump_dir is not None:
+            return self._dump_dir.expanduser().resolve()
+        try:
+            from frforensics.recorder import session
+
+            sess = session()
+            if sess is not None:
+                return Path(sess.rec.config.dump_dir).resolve()
+        except Exception:  # no recorder in this process: the variable then
+            pass
+        env = os.environ.get("FRFORENSICS_DUMP_DIR")
+        return Path(env).expanduser().resolve() if env else None
+
+    def report_path(self, verdict: dict[str, Any]) -> tuple[Path | None, str]:
+        """``verdict.html`` of this job's dump folder when the verdict names it, else
+        ``(None, why)``."""
+        named = Path(str(verdict.get("verdict_json", "")))
+        mine = self.dump_dir()
+        if mine is None:
+            return None, "this job's dump folder is not known to the debug server"
+        if named.name != "verdict.json" or named.parent.resolve() != mine:
+            return None, f"{named} is not this job's report ({mine / 'verdict.json'})"
+        report = mine / "verdict.html"
+        try:
+            st = os.lstat(report)
+        except OSError as exc:
+            return None, f"{report} is not readable from this host ({type(exc).__name__})"
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_REPORT_BYTES:
+            return None, f"{report} is not a regular file of at most {MAX_REPORT_BYTES} bytes"
+        return report, ""
 
     def routes(self) -> list[Route]:
         return [Route(PATH, self._handle)]
@@ -81,8 +128,12 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
             found = f"{base}{k}"
         if found is None:
             return None
-        raw = store.get(found)
-        value: dict[str, Any] = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+        from frforensics.recorder._verdict import check_verdict
+
+        value, why = check_verdict(store.get(found))
+        if value is None:
+            return {"incident": found.rsplit("/", 1)[-1], "headline": f"(not a verdict: {why})",
+                    "text": "", "verdict_json": ""}
         return value
 
     def page(self) -> tuple[str, str]:
@@ -94,13 +145,18 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
             f"Incident {verdict.get('incident')}: {verdict.get('headline')} "
             f"(elected rank {verdict.get('elected_rank')} on {verdict.get('host')}; "
             f"report {verdict.get('verdict_json')})")
-        report = Path(str(verdict.get("verdict_json", ""))).with_suffix(".html")
-        try:
-            body = report.read_text(encoding="utf-8")
-        except OSError as exc:
+        report, why = self.report_path(verdict)
+        body = None
+        if report is not None:
+            try:
+                fd = os.open(report, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                with os.fdopen(fd, "rb") as fh:
+                    body = fh.read(MAX_REPORT_BYTES).decode("utf-8", "replace")
+            except OSError as exc:
+                why = f"{report} is not readable from this host ({type(exc).__name__})"
+        if body is None:
             text = str(verdict.get("text", ""))
-            body = (f"<pre>{html.escape(text)}</pre><p>{html.escape(str(report))} is not "
-                    f"readable from this host ({html.escape(type(exc).__name__)}).</p>")
+            body = f"<pre>{html.escape(text)}</pre><p>{html.escape(why)}.</p>"
         return summary, html.escape(body, quote=True)
 
     def _handle(self, req: Any) -> bytes:

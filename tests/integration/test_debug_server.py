@@ -36,6 +36,7 @@ def test_verdict_page_shows_the_newest_verdict_from_the_store(tmp_path: Path, mo
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("FRFORENSICS_DUMP_DIR", str(tmp_path))  # this job's dump folder
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     server = FrontendServer(port=0, handlers=[VerdictHandler()])
     url = f"http://127.0.0.1:{server._server.server_port}{PATH}"
@@ -58,5 +59,17 @@ def test_verdict_page_shows_the_newest_verdict_from_the_store(tmp_path: Path, mo
     assert "first" not in page
     # the HTML report, escaped into the iframe's srcdoc
     assert 'srcdoc="&lt;html&gt;&lt;body&gt;&lt;h1&gt;HANG &amp;amp; report' in page
+    # sandboxed: the report never runs as the debug server's origin
+    assert "<iframe title=\"frforensics report\" sandbox srcdoc=" in page
+    assert "allow-same-origin" not in page
+    # a verdict key naming another file (a peer's word) shows the text, never that file
+    elsewhere = tmp_path / "other"
+    elsewhere.mkdir()
+    (elsewhere / "verdict.html").write_text("<h1>SECRET</h1>")
+    master.set("frforensics/0/verdict/2", json.dumps({
+        "schema": "frforensics.verdict/1", "incident": 2, "headline": "forged", "text": "forged",
+        "verdict_json": str(elsewhere / "verdict.json")}))
+    page = get(url)
+    assert "SECRET" not in page and "is not this job" in page
     os.environ.pop("MASTER_PORT", None)
     del master

@@ -29,6 +29,13 @@ left the cluster (killed, lost), and a host that has not finished within
 :class:`~frforensics.report.LoadProblem`\\ s naming the files (so the ranks)
 that were not read; the verdict is given on the rest, and ranks expected from
 the job's groups but not read are the report's missing ranks.
+
+Trust: Dask brings task results back with pickle, so the cluster's workers must
+be trusted (docs/security.md, "Workers"): run ``--dask`` only on your own
+cluster. The digests themselves are ``bytes`` decoded by ``wire.decode_batch``
+(no pickle, the file readers' limits); a result of any other shape, and a
+digest naming a file its batch was not asked to read, is a load problem for
+that batch's files.
 """
 
 from __future__ import annotations
@@ -328,16 +335,24 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
                     done += len(items)
                 continue
             if not unit.listed:
-                listed, problems = value
-                result.problems.extend(LoadProblem(label, msg) for label, msg in problems)
-                batches(unit, list(listed))
-            else:
-                payload, problems = value
                 try:
+                    listed, found = _check_listing(value, unit)
+                except wire.WireError as exc:
+                    fail(unit, f"listing on {unit.key} sent back {exc}")
+                    continue
+                result.problems.extend(LoadProblem(label, msg) for label, msg in found)
+                batches(unit, listed)
+            else:
+                labels = {label for label, *_ in items}
+                try:
+                    payload, problems = _check_batch(value, labels)
                     digests = wire.decode_batch(payload, cache=cache)
-                except wire.WireError as exc:  # another frforensics version on that host?
+                    for digest in digests:
+                        _check_source(digest, labels)
+                except wire.WireError as exc:  # another version, or a broken or hostile worker
                     digests = []
-                    problems = [(label, f"not read: {exc}", False) for label, *_ in items]
+                    problems = [(label, f"not read: {unit.key} sent back {exc}", False)
+                                for label, *_ in items]
                 for digest in digests:
                     result.add(digest)
                 for label, msg, quiet in problems:
@@ -370,6 +385,66 @@ def _load(client: Client, paths: list[str], *, prefix: str | None, tail: int,
                 if progress and total:
                     progress(done, total)
     return result
+
+
+#: a worker's answer is bounded like a payload: labels and messages of at most this
+#: many characters, at most this many listed files per host
+_MAX_TEXT: Final = 1 << 16
+_MAX_LISTED: Final = 1 << 22
+
+
+def _text_ok(x: Any) -> bool:
+    return type(x) is str and len(x) <= _MAX_TEXT
+
+
+def _check_listing(value: Any, unit: _Unit) -> tuple[list[_Item], list[tuple[str, str]]]:
+    """A listing task's result, checked: ``([(label, path, explicit)], [(label, msg)])``.
+
+    Dask brings results back with pickle (the cluster is trusted: docs/security.md);
+    this only keeps a broken or mismatched worker from breaking the client."""
+    if not (type(value) in (tuple, list) and len(value) == 2
+            and type(value[0]) in (tuple, list) and type(value[1]) in (tuple, list)
+            and len(value[0]) <= _MAX_LISTED and len(value[1]) <= _MAX_LISTED):
+        raise wire.WireError(f"a {type(value).__name__}, not (files, problems)")
+    listed, problems = value
+    if not all(type(i) in (tuple, list) and len(i) == 3 and _text_ok(i[0]) and _text_ok(i[1])
+               and type(i[2]) is bool for i in listed):
+        raise wire.WireError("a listed file that is not (label, path, explicit)")
+    if not all(type(p) in (tuple, list) and len(p) == 2 and _text_ok(p[0]) and _text_ok(p[1])
+               for p in problems):
+        raise wire.WireError("a problem that is not (label, message)")
+    return [(a, b, c) for a, b, c in listed], [(a, b) for a, b in problems]
+
+
+def _check_batch(value: Any, labels: set[str]) -> tuple[bytes, list[tuple[str, str, bool]]]:
+    """A decode task's result, checked: ``(payload bytes, [(label, msg, quiet)])``, every
+    problem about one of the batch's own files."""
+    if not (type(value) in (tuple, list) and len(value) == 2 and type(value[0]) is bytes
+            and type(value[1]) in (tuple, list) and len(value[1]) <= _MAX_LISTED):
+        raise wire.WireError(f"a {type(value).__name__}, not (payload bytes, problems)")
+    payload, problems = value
+    if not all(type(p) in (tuple, list) and len(p) == 3 and _text_ok(p[0]) and _text_ok(p[1])
+               and type(p[2]) is bool for p in problems):
+        raise wire.WireError("a problem that is not (label, message, quiet)")
+    if not all(_within(p[0], labels) for p in problems):
+        raise wire.WireError("a problem about a file that batch was not asked to read")
+    return payload, [(a, b, c) for a, b, c in problems]
+
+
+def _within(label: str, labels: set[str]) -> bool:
+    """``label`` is one of ``labels`` or inside one (an archive's member, a walked folder)."""
+    if label in labels:
+        return True
+    return any(label.startswith(x) and label[len(x):len(x) + 1] in ("/", ":", "!")
+               for x in labels)
+
+
+def _check_source(digest: RankDigest, labels: set[str]) -> None:
+    """A digest names a file its batch was asked to read: a worker cannot send one under
+    another host's name (a forged duplicate of a rank read elsewhere)."""
+    if not _within(digest.source, labels):
+        raise wire.WireError(f"a digest of rank {digest.rank} from {digest.source[:200]!r}, "
+                             "a file that batch was not asked to read")
 
 
 def _workers(client: Client) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Digests on the wire: a compact, pickle-free encoding of batches of :class:`RankDigest`.
+"""Digests on the wire: a compact encoding of :class:`RankDigest` batches, without pickle.
 
 When digests are computed on the hosts that hold the dumps (``fr-analyze
 --dask``), they cross the network to the central process. A pickled digest of a
@@ -34,8 +34,15 @@ How, per batch of digests (one host's batch):
   compressed with zlib (or lzma, slower but smaller).
 
 Decoding never runs code from the data: msgpack, ``numpy.frombuffer`` and
-constructors of a fixed set of types. A malformed payload raises
-:class:`WireError`. :class:`WireCache` makes equal groups and stacks of every
+constructors of a fixed set of types. A payload is as untrusted as a dump file
+(docs/security.md, "peers"): it is inflated only up to :func:`payload_cap` bytes
+(the archive budget of ``formats.limits``), group members are expanded only
+within ``Limits.max_rank`` and :data:`MAX_MEMBERS` per payload, every table
+index is checked (never Python's negative indexing), and every decoded digest is
+checked field by field (:func:`check_digest`: types, ranks, times within int64,
+string and count bounds, column dtypes and lengths, group and unit indices).
+A malformed payload raises :class:`WireError`, and so does one that runs out
+of memory. :class:`WireCache` makes equal groups and stacks of every
 batch one object in the central process, as the local loader does per batch.
 """
 
@@ -53,6 +60,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.digest import EntryDetail, RankDigest
 from frforensics.errors import FrForensicsError
+from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     DeathInfo,
     Frame,
@@ -353,23 +361,52 @@ def _members(ranks: tuple[int, ...] | None) -> Any:
     return a.astype("<i4").tobytes()
 
 
-def _members_back(x: Any) -> tuple[int, ...] | None:
+#: group members expanded from one payload, all groups together (a real batch holds
+#: each distinct membership once: the default group plus a few families, each at
+#: most ``max_rank`` ranks)
+MAX_MEMBERS: Final = 1 << 22
+
+
+def _member_count(x: Any, limits: Limits) -> int:
+    """How many ranks ``x`` (see :func:`_members`) expands to; ``WireError`` when it
+    cannot be a membership of ranks below ``limits.max_rank``."""
+    if x is None:
+        return 0
+    if isinstance(x, bytes):
+        if len(x) % 4 or len(x) // 4 > limits.max_rank:
+            raise WireError("bad group members")
+        return len(x) // 4
+    if isinstance(x, (list, tuple)) and len(x) == 3 and all(type(v) is int for v in x):
+        start, step, count = x
+        if not (step != 0 and 0 <= count <= limits.max_rank and 0 <= start < limits.max_rank
+                and (count == 0 or 0 <= start + step * (count - 1) < limits.max_rank)):
+            raise WireError(f"bad group members: progression {start}, {step}, {count} leaves "
+                            f"0..{limits.max_rank - 1}")
+        return int(count)
+    if isinstance(x, (list, tuple)) and len(x) <= limits.max_rank:
+        return len(x)
+    raise WireError("bad group members")
+
+
+def _members_back(x: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[int, ...] | None:
+    _member_count(x, limits)
     if x is None:
         return None
     if isinstance(x, bytes):
-        if len(x) % 4:
-            raise WireError("bad group members")
-        return tuple(np.frombuffer(x, dtype="<i4").tolist())
-    if isinstance(x, (list, tuple)) and len(x) == 3 and all(type(v) is int for v in x):
+        a = np.frombuffer(x, dtype="<i4")
+        if a.size and (int(a.min()) < 0 or int(a.max()) >= limits.max_rank):
+            raise WireError(f"bad group members: ranks outside 0..{limits.max_rank - 1}")
+        return tuple(a.tolist())
+    if len(x) == 3 and all(type(v) is int for v in x):
         # one tuple per distinct membership in this process, as the decoders do
         # (formats._shared): the default group comes in every payload
         try:
             return progression_members(*x)
         except ValueError:
             raise WireError("bad group members") from None
-    if isinstance(x, (list, tuple)) and all(type(v) is int for v in x):
+    if all(type(v) is int and 0 <= v < limits.max_rank for v in x):
         return tuple(x)
-    raise WireError("bad group members")
+    raise WireError(f"bad group members: ranks outside 0..{limits.max_rank - 1}")
 
 
 # ------------------------------------------------------------------ values
@@ -411,11 +448,11 @@ class _Unpacker:
             if code == _EXT_STATE:
                 return OpState(value)
             if code == _EXT_FRAME:
-                return self.frames[value]
+                return self.frames[_index(value, len(self.frames), "frame")]
             if code == _EXT_STACK:
-                return self.stacks[value]
+                return self.stacks[_index(value, len(self.stacks), "stack")]
             if code == _EXT_GROUP:
-                return self.groups[value]
+                return self.groups[_index(value, len(self.groups), "group")]
             cls = _BY_CODE.get(code)
             if cls is not None:
                 return cls(*value)
@@ -424,12 +461,25 @@ class _Unpacker:
         raise WireError(f"unknown extension {code}")
 
 
-def _loads(data: bytes, ext: Any | None) -> Any:
+def _index(value: Any, n: int, what: str) -> int:
+    """``value`` as an index into a table of ``n`` (never a negative, wrapping one)."""
+    if type(value) is not int or not 0 <= value < n:
+        raise WireError(f"bad {what} index {value!r} (the table holds {n})")
+    return int(value)
+
+
+#: msgpack's own bounds: no container or string larger than a real payload holds
+_MSGPACK_LIMITS: Final = {"max_array_len": 1 << 22, "max_map_len": 1 << 22,
+                          "max_str_len": 1 << 20, "max_ext_len": 1 << 30}
+
+
+def _loads(data: bytes | bytearray, ext: Any | None) -> Any:
     try:
         if ext is None:
-            return msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=False)
+            return msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=False,
+                                   **_MSGPACK_LIMITS)
         return msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=False,
-                               ext_hook=ext)
+                               ext_hook=ext, **_MSGPACK_LIMITS)
     except WireError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
@@ -486,6 +536,9 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
     counts, names, kinds, off, ln = spec
     if tuple(names) != _DETAIL_FIELDS or len(kinds) != len(names) or len(counts) != len(bases):
         raise WireError("entry details from another version of frforensics")
+    if sum(counts) and tuple(kinds) != _DETAIL_KINDS:
+        raise WireError(f"bad entry details: field kinds {''.join(map(str, kinds))!r}, "
+                        f"expected {''.join(_DETAIL_KINDS)!r}")
     if not all(type(k) is int and k >= 0 for k in counts) or not 0 <= off <= off + ln <= len(blob):
         raise WireError("bad entry details")
     n = sum(counts)
@@ -505,8 +558,12 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
             elif kind == "e":
                 col = [_STATES[v] for v in col]
             elif kind == "s":
+                if col and max(col) >= len(strings):
+                    raise WireError("bad entry details: string index past the table")
                 col = [None if v < 0 else strings[v] for v in col]
             elif kind == "f":
+                if col and max(col) >= len(stacks):
+                    raise WireError("bad entry details: stack index past the table")
                 col = [() if v < 0 else stacks[v] for v in col]
             elif kind != "i":
                 raise WireError(f"unknown detail kind {kind!r}")
@@ -523,6 +580,11 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
     return out
 
 
+#: the kind each EntryDetail field is sent as (``_pack_details``); another is refused
+_DETAIL_KINDS: Final = tuple(
+    {"op": "s", "in_shapes": "s", "out_shapes": "s", "in_dtypes": "s", "out_dtypes": "s",
+     "reduce_op": "s", "thread": "s", "location": "s", "is_p2p": "b", "state": "e",
+     "frames": "f"}.get(name, "i") for name in _DETAIL_FIELDS)
 _I8: Final = np.dtype(np.int64)
 _STATES: Final = {int(s): s for s in OpState}
 
@@ -588,60 +650,135 @@ class WireCache:
         self.stacks: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
 
 
-#: the largest decompressed payload accepted (a guard against decompression bombs)
+#: the largest decompressed payload accepted at all (a guard against decompression bombs)
 MAX_PAYLOAD_BYTES: Final = 1 << 31
 
 
-def decode_batch(data: bytes, *, cache: WireCache | None = None) -> list[RankDigest]:
-    """Decode a payload of :func:`encode_batch` back into equal ``RankDigest``s."""
+def payload_cap(compressed: int, limits: Limits = DEFAULT_LIMITS) -> int:
+    """Bytes a payload of ``compressed`` bytes may inflate to: the archive budget of the
+    file readers (``max_archive_ratio`` times its size beyond ``archive_ratio_floor_bytes``),
+    never more than :data:`MAX_PAYLOAD_BYTES`."""
+    return min(MAX_PAYLOAD_BYTES, limits.max_archive_bytes,
+               max(limits.archive_ratio_floor_bytes, limits.max_archive_ratio * compressed))
+
+
+_STEP: Final = 8 << 20
+
+
+def _inflate(data: bytes, limits: Limits) -> bytearray:
+    """The body of a payload, never inflated past :func:`payload_cap` (the decompressor
+    stops there: a bomb costs at most the cap)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"a digest payload is bytes, not {type(data).__name__}")
+    data = bytes(data)
     if data[:4] != _MAGIC or len(data) < 5:
         raise WireError("not a frforensics digest payload")
+    cap = payload_cap(len(data), limits)
+    body = bytearray()
     try:
+        # in steps into one growing buffer: a bomb costs about the cap, never twice it
         if data[4:5] == _ZLIB:
             d = zlib.decompressobj()
-            body = d.decompress(data[5:], MAX_PAYLOAD_BYTES)
-            if d.unconsumed_tail:
-                raise WireError("digest payload too large")
-            if not d.eof:
-                raise WireError("truncated digest payload")
+            rest = data[5:]
+            while not d.eof:
+                body += d.decompress(rest, _STEP)
+                rest = d.unconsumed_tail
+                if len(body) > cap:
+                    raise WireError(f"digest payload inflates past {cap} bytes: refused")
+                if not rest and not d.eof:
+                    raise WireError("truncated digest payload")
         elif data[4:5] == _LZMA:
             dl = lzma.LZMADecompressor()
-            body = dl.decompress(data[5:], MAX_PAYLOAD_BYTES)
-            if not dl.eof:
-                raise WireError("truncated or too large digest payload")
+            rest = data[5:]
+            while not dl.eof:
+                body += dl.decompress(rest, _STEP)
+                rest = b""
+                if len(body) > cap:
+                    raise WireError(f"digest payload inflates past {cap} bytes: refused")
+                if dl.needs_input and not dl.eof:
+                    raise WireError("truncated digest payload")
         else:
             raise WireError("unknown compression in a digest payload")
-    except (zlib.error, lzma.LZMAError) as exc:
+    except (zlib.error, lzma.LZMAError, EOFError) as exc:
         raise WireError(f"corrupt digest payload: {exc}") from None
-    doc = _loads(body, None)
+    return body
+
+
+def decode_batch(data: bytes, *, cache: WireCache | None = None,
+                 limits: Limits = DEFAULT_LIMITS) -> list[RankDigest]:
+    """Decode a payload of :func:`encode_batch` back into equal ``RankDigest``s.
+
+    Anything wrong with the payload, running out of memory included, is one
+    :class:`WireError` (the caller makes it one load problem for that peer)."""
     try:
-        return _decode_doc(doc, cache)
+        body = _inflate(data, limits)
+        doc = _loads(body, None)
+        del body
+        return _decode_doc(doc, cache, limits)
     except WireError:
         raise
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
+    except MemoryError:
+        raise WireError("out of memory while decoding the digest payload: refused") from None
+    except (KeyError, IndexError, TypeError, ValueError, OverflowError, AttributeError) as exc:
         raise WireError(f"malformed digest payload: {type(exc).__name__}: {exc}") from None
 
 
-def _decode_doc(doc: Any, cache: WireCache | None) -> list[RankDigest]:
-    blob = memoryview(doc["blob"])
-    strings = list(doc["strings"])
-    if not all(type(s) is str for s in strings):
+def _list(x: Any, what: str) -> Sequence[Any]:
+    if not isinstance(x, (list, tuple)):
+        raise WireError(f"bad {what}: {type(x).__name__}, not a list")
+    return x
+
+
+def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankDigest]:
+    if not isinstance(doc, dict):
+        raise WireError("malformed digest payload: not a map")
+    blob_b = doc["blob"]
+    if not isinstance(blob_b, bytes):
+        raise WireError("malformed digest payload: blob")
+    blob = memoryview(blob_b)
+    strings = list(_list(doc["strings"], "string table"))
+    if not all(type(s) is str and len(s) <= 4 * limits.max_string_chars for s in strings):
         raise WireError("bad string table")
-    files, lines, names = (_get_column(blob, spec).tolist() for spec in doc["frames"])
+    files, lines, names = (_get_column(blob, spec).tolist()
+                           for spec in _list(doc["frames"], "frame table"))
+    ns = len(strings)
+    if any(not 0 <= i < ns for i in (*files, *names)):
+        raise WireError(f"bad frame table: a string index outside 0..{ns - 1}")
     frames = [Frame(strings[f], ln, strings[n]) for f, ln, n in zip(files, lines, names, strict=True)]
-    stacks = [tuple(frames[i] for i in s) for s in doc["stacks"]]
-    groups = [GroupInfo(name, desc, _members_back(ranks), backend)
-              for name, desc, ranks, backend in doc["groups"]]
+    nf = len(frames)
+    stacks = [tuple(frames[_index(i, nf, "frame")] for i in _list(s, "stack"))
+              for s in _list(doc["stacks"], "stack table")]
+    raw_groups = [_list(g, "group") for g in _list(doc["groups"], "group table")]
+    if not all(len(g) == 4 and type(g[0]) is str and type(g[1]) is str and type(g[3]) is str
+               for g in raw_groups):
+        raise WireError("bad group table: a group is [name, desc, members, backend] (strings)")
+    expanded = sum(_member_count(g[2], limits) for g in raw_groups)
+    if expanded > MAX_MEMBERS:
+        raise WireError(f"group members: {expanded} in one payload, more than {MAX_MEMBERS}: "
+                        "refused")
+    groups = [GroupInfo(name, desc, _members_back(ranks, limits), backend)
+              for name, desc, ranks, backend in raw_groups]
     if cache is not None:
         stacks = [cache.stacks.setdefault(s, s) for s in stacks]
         groups = [cache.groups.setdefault(g, g) for g in groups]
     unpacker = _Unpacker(frames, stacks, groups)
-    values = [dict(entry) for entry in _loads(doc["digests"], unpacker.ext)]
+    packed = doc["digests"]
+    if not isinstance(packed, bytes):
+        raise WireError("malformed digest payload: digests")
+    values = [dict(entry) for entry in _list(_loads(packed, unpacker.ext), "digest list")]
+    for v in values:
+        _check_scalars(v, limits)
     bases = [v.get("dump_time_ns") or 0 for v in values]
     zeros = [0] * len(values)
-    for name, members, spec in doc["columns"]:
-        if name not in _DIGEST_FIELDS or not all(type(i) is int for i in members):
+    for column in _list(doc["columns"], "column list"):
+        name, members, spec = column
+        if name not in _ARRAY_FIELDS:
             raise WireError(f"unknown column {name!r}")
+        members = _list(members, "column members")
+        if len(set(members)) != len(members):
+            raise WireError(f"column {name!r} names a digest twice")
+        for i in members:
+            _index(i, len(values), "digest")
         pick = bases if name in _TIME_COLUMNS else zeros
         for i, col in zip(members, _get_segments(blob, spec, [pick[i] for i in members]),
                           strict=True):
@@ -653,5 +790,146 @@ def _decode_doc(doc: Any, cache: WireCache | None) -> list[RankDigest]:
     for v in values:
         if set(v) != set(_DIGEST_FIELDS):
             raise WireError("digest from another version of frforensics (fields differ)")
-        out.append(RankDigest(**v))
+        d = RankDigest(**v)
+        check_digest(d, limits)
+        out.append(d)
     return out
+
+
+# ------------------------------------------------------------------ checks
+
+#: the numpy fields of a digest and their dtypes (``None``-able ones marked)
+_ARRAY_FIELDS: Final[dict[str, tuple[np.dtype[Any], bool]]] = {
+    name: (np.dtype(dt), optional) for name, dt, optional in (
+        ("group", "<i4", False), ("seq", "<i8", False), ("p2p_seq", "<i8", False),
+        ("peer_seq", "<i8", False), ("is_p2p", "|u1", False), ("peer", "<i4", False),
+        ("op_hash", "<u4", False), ("dtype_hash", "<u4", False), ("size", "<i8", False),
+        ("state", "|u1", False), ("t_enqueue_ns", "<i8", False), ("t_complete_ns", "<i8", False),
+        ("timeout_ms", "<i8", False), ("site", "<u4", True), ("numel", "<i8", True),
+        ("unit", "<i8", True), ("duration_ns", "<i8", True))}
+_I64_MIN: Final = -(1 << 63)
+_I64_MAX: Final = (1 << 63) - 1
+_STR_FIELDS: Final = ("rank_from", "source", "format", "version", "dump_reason", "dump_detail")
+_OPT_STR_FIELDS: Final = ("host", "gpu_uuid", "pci_bus_id")
+_INT_FIELDS: Final = ("completion_resolution_ns", "dropped", "first_record_id", "unrecorded_ops")
+_OPT_INT_FIELDS: Final = ("pid", "local_rank", "cuda_device")
+_MAX_NOTES: Final = 4096
+
+
+def _bad(d: Any, what: str) -> WireError:
+    return WireError(f"digest of rank {d!r}: {what}")
+
+
+def _int64(v: Any) -> bool:
+    return type(v) is int and _I64_MIN <= v <= _I64_MAX
+
+
+def _text_ok(v: Any, limits: Limits) -> bool:
+    return type(v) is str and len(v) <= 4 * limits.max_string_chars
+
+
+def _check_scalars(v: dict[str, Any], limits: Limits) -> None:
+    """The fields the decoder itself relies on (rank, dump time), before the columns."""
+    rank = v.get("rank")
+    if type(rank) is not int or not 0 <= rank < limits.max_rank:
+        raise WireError(f"a digest's rank {rank!r:.40} is not in 0..{limits.max_rank - 1}")
+    t = v.get("dump_time_ns")
+    if t is not None and (type(t) is not int or not 0 <= t <= _I64_MAX):
+        raise _bad(rank, f"dump_time_ns {t!r:.40} is not a time within int64")
+
+
+def _frames_ok(frames: Any, limits: Limits) -> bool:
+    return type(frames) is tuple and all(
+        type(f) is Frame and _text_ok(f.file, limits) and _text_ok(f.name, limits)
+        and _int64(f.line) for f in frames)
+
+
+def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
+    """``WireError`` unless every field of ``d`` has its type and lies within ``limits``:
+    what a digest from a file reader guarantees, checked again for one that crossed a
+    process boundary (a worker's or a peer's)."""
+    r = d.rank
+    if type(r) is not int or not 0 <= r < limits.max_rank:
+        raise WireError(f"a digest's rank {r!r:.40} is not in 0..{limits.max_rank - 1}")
+    ws = d.world_size
+    if ws is not None and (type(ws) is not int or not 1 <= ws <= limits.max_rank):
+        raise _bad(r, f"world size {ws!r:.40} is not in 1..{limits.max_rank}")
+    for name in _STR_FIELDS:
+        if not _text_ok(getattr(d, name), limits):
+            raise _bad(r, f"{name} is not a string of at most {4 * limits.max_string_chars}")
+    for name in _OPT_STR_FIELDS:
+        x = getattr(d, name)
+        if x is not None and not _text_ok(x, limits):
+            raise _bad(r, f"{name} is not a string")
+    for name in _INT_FIELDS:
+        if not _int64(getattr(d, name)):
+            raise _bad(r, f"{name} is not an integer within int64")
+    for name in _OPT_INT_FIELDS:
+        x = getattr(d, name)
+        if x is not None and not _int64(x):
+            raise _bad(r, f"{name} is not an integer within int64")
+    if d.dump_time_ns is not None and not (type(d.dump_time_ns) is int
+                                           and 0 <= d.dump_time_ns <= _I64_MAX):
+        raise _bad(r, "dump_time_ns is not a time within int64")
+    if type(d.gpu_states) is not bool or type(d.whole_oldest) is not bool:
+        raise _bad(r, "a flag is not a boolean")
+    if type(d.groups) is not tuple or not all(type(g) is GroupInfo for g in d.groups):
+        raise _bad(r, "groups are not a tuple of groups")
+    if type(d.threads) is not tuple or not all(
+            type(t) is ThreadStack and _text_ok(t.name, limits) and _int64(t.ident)
+            and type(t.is_main) is bool and _frames_ok(t.frames, limits) for t in d.threads):
+        raise _bad(r, "threads are not (name, ident, is_main, frames) stacks")
+    if type(d.stale_peers) is not tuple or not all(
+            type(p) is PeerHeartbeat and type(p.rank) is int and 0 <= p.rank < limits.max_rank
+            and type(p.age_s) in (int, float) and 0 <= p.age_s < 1e12 for p in d.stale_peers):
+        raise _bad(r, f"stale peers are not (rank in 0..{limits.max_rank - 1}, finite age)")
+    if d.death is not None and not (type(d.death) is DeathInfo and _text_ok(d.death.kind, limits)
+                                    and _text_ok(d.death.message, limits)
+                                    and _frames_ok(d.death.frames, limits)):
+        raise _bad(r, "death is not (kind, message, frames)")
+    if type(d.notes) is not tuple or len(d.notes) > _MAX_NOTES or not all(
+            _text_ok(x, limits) for x in d.notes):
+        raise _bad(r, "notes are not a bounded tuple of strings")
+    n = None
+    for name, (dtype, optional) in _ARRAY_FIELDS.items():
+        a = getattr(d, name)
+        if a is None and optional:
+            continue
+        if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1:
+            raise _bad(r, f"column {name} is not a one-dimensional {dtype.str} array")
+        if n is None:
+            n = len(a)
+        if len(a) != n:
+            raise _bad(r, f"column {name} has {len(a)} rows, not {n}")
+    assert n is not None
+    if n > limits.max_entries:
+        raise _bad(r, f"{n} entries, more than {limits.max_entries}")
+    if n:
+        if int(d.group.min()) < -1 or int(d.group.max()) >= len(d.groups):
+            raise _bad(r, f"a group index outside -1..{len(d.groups) - 1}")
+        if int(d.peer.min()) < -1 or int(d.peer.max()) >= limits.max_rank:
+            raise _bad(r, f"a peer outside -1..{limits.max_rank - 1}")
+        if int(d.state.max()) > max(_STATES):
+            raise _bad(r, "an op state that does not exist")
+        if d.unit is not None and (int(d.unit.min()) < 0 or int(d.unit.max()) >= n):
+            raise _bad(r, f"a coalesced unit outside 0..{n - 1}")
+    if type(d.first_record_id) is not int:
+        raise _bad(r, "first_record_id is not an integer")
+    for name, table in (("op_names", d.op_names), ("sites", d.sites)):
+        if table is None and name == "sites":
+            continue
+        if type(table) is not dict or len(table) > max(n, 1) * 4 + 1024 or not all(
+                _int64(k) and _text_ok(v, limits) for k, v in table.items()):
+            raise _bad(r, f"{name} is not a bounded table of integers to strings")
+    if type(d.details) is not dict or len(d.details) > n:
+        raise _bad(r, "more entry details than entries")
+    for row, e in d.details.items():
+        if type(row) is not int or not 0 <= row < n or type(e) is not EntryDetail:
+            raise _bad(r, f"entry detail of row {row!r:.40} outside 0..{n - 1}")
+        for kind, name, value in zip(_DETAIL_KINDS, _DETAIL_FIELDS, e, strict=True):
+            ok = (type(value) is bool if kind == "b" else type(value) is OpState if kind == "e"
+                  else _int64(value) if kind == "i" else _frames_ok(value, limits) if kind == "f"
+                  else (value is None and name == "location") or _text_ok(value, limits))
+            if not ok:
+                raise _bad(r, f"entry detail field {name} of row {row} is not a valid "
+                              f"{type(value).__name__}")

@@ -33,9 +33,7 @@ a message naming the upgrade.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -213,24 +211,12 @@ def encode(trace: RankTrace) -> bytes:
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename.
+    """Write ``data`` to ``path`` atomically and never through a link (the one
+    implementation: :func:`frforensics._atomic.write_atomic`; its parents made,
+    owner-only permissions as dumps always had). Returns the final path."""
+    from frforensics._atomic import write_atomic as _write_atomic
 
-    A reader never sees half a file. Returns the final path.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return target
+    return _write_atomic(path, data, mode=0o600, make_parents=True)
 
 
 # ---------------------------------------------------------------- reading

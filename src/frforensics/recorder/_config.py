@@ -57,17 +57,19 @@ class RecorderConfig:
     straggler_interval_s: float | None = None
 
     def __post_init__(self) -> None:
-        if (self.timeout_s <= 0 or self.buffer_size < 1 or self.poll_interval_s <= 0
-                or self.store_poll_interval_s <= 0):
-            raise ValueError("timeout_s, buffer_size and the poll intervals must be positive")
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if value is not None or not _NUMBERS[name][3]:
+                parse_number(name, value, name)
         if self.dump_on_exit not in DUMP_ON_EXIT_MODES:
             raise ValueError("dump_on_exit must be 'auto', 'always' or 'never'")
         if self.verdict_source not in VERDICT_SOURCES:
             raise ValueError("verdict_source must be 'auto', 'dir' or 'store'")
-        if self.verdict_timeout_s <= 0 or self.hook_timeout_s <= 0 or (
-                self.straggler_interval_s is not None and self.straggler_interval_s <= 0):
-            raise ValueError("verdict_timeout_s, hook_timeout_s and straggler_interval_s "
-                             "must be positive")
+        if self.on_verdict_command is not None and (
+                not isinstance(self.on_verdict_command, str)
+                or len(self.on_verdict_command) > _MAX_TEXT):
+            raise SettingError(f"on_verdict_command: a command line of at most {_MAX_TEXT} "
+                               "characters")
 
     @property
     def deadline_ms(self) -> int:
@@ -90,17 +92,15 @@ class RecorderConfig:
         path = Path(dump_dir).expanduser().resolve()
         norm: dict[str, Any] = {}
         for name, value in options.items():
-            if name in ("dump_signals", "teardown_signals"):
+            if name in _NUMBERS:
+                value = None if value is None and _NUMBERS[name][3] else parse_number(
+                    name, value, name)
+            elif name in ("dump_signals", "teardown_signals"):
                 value = tuple(int(s) for s in value)
             elif name == "wrap_backends":
                 value = tuple(str(b).strip().lower() for b in value if str(b).strip())
             elif name == "extra_notes":
                 value = tuple(str(n) for n in value)
-            elif name in ("timeout_s", "poll_interval_s", "store_poll_interval_s",
-                          "store_timeout_s", "verdict_timeout_s", "hook_timeout_s"):
-                value = float(value)
-            elif name in ("buffer_size", "stack_depth", "stale_check_max_world"):
-                value = int(value)
             norm[name] = value
         return cls(dump_dir=path, **norm)
 
@@ -112,11 +112,80 @@ class RecorderConfig:
         for var, (name, parse) in _ENV.items():
             raw = env.get(var)
             if raw is not None and raw.strip() != "":
-                options[name] = parse(raw.strip())
+                try:
+                    options[name] = parse_number(name, raw.strip(), var) if name in _NUMBERS \
+                        else parse(raw.strip())
+                except SettingError:
+                    raise
+                except (ValueError, TypeError) as exc:
+                    raise SettingError(f"{var}={raw.strip()[:80]!r}: {exc}") from None
             elif raw is not None and name in ("dump_signals", "teardown_signals"):
                 options[name] = ()
         dump_dir = env.get("FRFORENSICS_DUMP_DIR") or "frforensics_dumps"
         return cls.build(dump_dir, **options)
+
+
+class SettingError(ValueError):
+    """A setting out of its range: one line naming the variable (or argument) and the range."""
+
+
+_MAX_TEXT = 4096
+
+#: every numeric setting: (kind, lowest, highest, None allowed); a float's lowest is
+#: excluded (a time of 0 s is no time), an int's included
+_NUMBERS: dict[str, tuple[type, float, float, bool]] = {
+    "timeout_s": (float, 0.0, 7 * 86400.0, False),
+    "buffer_size": (int, 1, 1 << 22, False),
+    "poll_interval_s": (float, 0.0, 60.0, False),
+    "store_poll_interval_s": (float, 0.0, 3600.0, False),
+    "stack_depth": (int, 0, 256, False),
+    "heartbeat_stale_s": (float, 0.0, 86400.0, True),
+    "store_timeout_s": (float, 0.0, 3600.0, False),
+    "stale_check_max_world": (int, 0, 1 << 20, False),
+    "verdict_timeout_s": (float, 0.0, 86400.0, False),
+    "hook_timeout_s": (float, 0.0, 86400.0, False),
+    "straggler_interval_s": (float, 0.0, 86400.0, True),
+}
+
+
+def accepted_range(name: str) -> str:
+    """The accepted values of a numeric setting, in words."""
+    kind, lo, hi, optional = _NUMBERS[name]
+    text = (f"an integer in {lo:g}..{hi:g}" if kind is int
+            else f"a number of seconds in ({lo:g}, {hi:g}]")
+    return text + (" (or unset)" if optional else "")
+
+
+def parse_number(name: str, value: Any, label: str) -> Any:
+    """The one parser of every numeric setting (``enable()``'s argument or the text of an
+    ``FRFORENSICS_*`` variable): finite, within its range, else :class:`SettingError`
+    naming ``label`` and the accepted range (NaN, inf, 1e308, negatives, non-numbers)."""
+    kind, lo, hi, _ = _NUMBERS[name]
+    shown = repr(value)[:80]
+    bad = SettingError(f"{label}={shown}: expected {accepted_range(name)}")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, str):
+        if len(value) > 64:
+            raise bad
+        try:
+            number = float(value)
+        except ValueError:
+            raise bad from None
+    elif isinstance(value, int | float):
+        number = float(value) if not isinstance(value, int) or abs(value) < 1 << 60 else float(
+            "inf")
+    else:
+        raise bad
+    if number != number or number in (float("inf"), float("-inf")):
+        raise bad
+    if kind is int:
+        if not number.is_integer() or not lo <= number <= hi:
+            raise bad
+        return int(number)
+    if not lo < number <= hi:
+        raise bad
+    return number
 
 
 def parse_signals(raw: str) -> tuple[int, ...]:
@@ -130,7 +199,8 @@ def parse_signals(raw: str) -> tuple[int, ...]:
             full = name if name.startswith("SIG") else "SIG" + name
             sig = getattr(signal, full, None)
             if not isinstance(sig, int):
-                raise ValueError(f"unknown signal {name!r}")
+                raise ValueError(f"unknown signal {name[:40]!r} (names like USR1, TERM; "
+                                 "or none)")
             out.append(int(sig))
     return tuple(out)
 

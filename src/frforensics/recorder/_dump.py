@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from frforensics._atomic import write_atomic
 from frforensics.model import (
     DeathInfo,
     DumpReason,
@@ -302,7 +303,8 @@ class DumpWriter:
                     except Exception as exc:
                         rec.note_error("dump note provider", exc)
                 trace = build_trace(rec, reason, detail, death or rec.death, notes)
-                path = frdump.write_atomic(rec.dump_path(), frdump.encode(trace))
+                path = write_atomic(rec.dump_path(), frdump.encode(trace), mode=0o600,
+                                    make_parents=True)
                 self.dumped_reasons.append(reason)
                 if rec.death is None and reason in (DumpReason.WATCHDOG_TIMEOUT,
                                                     DumpReason.PEER_SIGNAL):
@@ -333,10 +335,8 @@ class DumpWriter:
             if os.environ.get("TORCH_FR_BUFFER_SIZE", os.environ.get(
                     "TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")) in ("0", ""):
                 return
-            from frforensics.formats import frdump
-
             for i, (key, data) in enumerate(source(rec)):
                 path = rec.native_dump_path(None if i == 0 else key)
-                frdump.write_atomic(path, data)
+                write_atomic(path, data, mode=0o600, make_parents=True)
         except Exception as exc:
             rec.note_error("native dump", exc)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from frforensics._atomic import safe_dir, write_atomic
 from frforensics.model import DumpReason, RankTrace
 
 if TYPE_CHECKING:
@@ -81,6 +82,71 @@ class _Incident:
 
 def _text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+_I64_MAX: Final = (1 << 63) - 1
+#: a ``dumped`` record is a few hundred bytes; a larger value is not one
+_MAX_RECORD: Final = 1 << 16
+
+
+def _rank_of(raw: Any, world: int) -> int | None:
+    """A rank number written in the store, or None when it is not one below ``world``."""
+    text = _text(raw).strip()
+    if not text.isdigit() or len(text) > 8 or int(text) >= world:
+        return None
+    return int(text)
+
+
+def check_verdict(raw: Any) -> tuple[dict[str, Any] | None, str]:
+    """The verdict document of the store key, typed, or ``(None, why)``."""
+    try:
+        text = _text(raw)
+        if len(text) > 1 << 22:
+            return None, f"{len(text)} characters"
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return None, f"not JSON: {str(exc)[:100]}"
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        return None, f"not a {SCHEMA} document"
+    culprits = doc.setdefault("culprit_ranks", [])
+    if not (isinstance(culprits, list) and all(type(r) is int and r >= 0 for r in culprits)):
+        return None, "culprit_ranks is not a list of ranks"
+    actions = doc.setdefault("actions", [])
+    if not (isinstance(actions, list) and all(isinstance(a, dict) for a in actions)):
+        return None, "actions is not a list of objects"
+    for name in ("headline", "text", "verdict_json"):
+        if not isinstance(doc.setdefault(name, ""), str):
+            return None, f"{name} is not a string"
+    return doc, ""
+
+
+def check_record(raw: Any, rank: int) -> tuple[dict[str, Any] | None, str]:
+    """A peer's ``dumped`` record, typed, or ``(None, why)``: a JSON object whose
+    ``rank`` is the key's, ``size``/``mtime_ns``/``digest_bytes`` integers within int64
+    (>= 0), ``digest`` a boolean, ``path``/``host``/``reason`` strings."""
+    try:
+        text = _text(raw)
+        if len(text) > _MAX_RECORD:
+            return None, f"dumped record of {len(text)} characters: skipped"
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return None, f"dumped record is not JSON ({str(exc)[:100]}): skipped"
+    if not isinstance(doc, dict):
+        return None, f"dumped record is a {type(doc).__name__}, not an object: skipped"
+    if doc.get("rank") != rank or type(doc.get("rank")) is not int:
+        return None, f"dumped record claims rank {str(doc.get('rank'))[:40]}: skipped"
+    doc.setdefault("digest_bytes", 0)
+    for name in ("size", "mtime_ns", "digest_bytes"):
+        v = doc.get(name)
+        if type(v) is not int or not 0 <= v <= _I64_MAX:
+            return None, (f"dumped record's {name} {str(v)[:40]!r} is not an integer in "
+                          f"0..2^63-1: skipped")
+    if type(doc.get("digest")) is not bool:
+        return None, "dumped record's digest is not true/false: skipped"
+    for name in ("path", "host", "reason"):
+        if not isinstance(doc.get(name, ""), str | None):
+            return None, f"dumped record's {name} is not a string: skipped"
+    return doc, ""
 
 
 class VerdictAgent(threading.Thread):
@@ -286,10 +352,11 @@ class VerdictAgent(threading.Thread):
             return
         poll = self.rec.config.store_poll_interval_s
         try:
-            leader = self._vote(store, k, me)
+            self._vote(store, k, me)
             window_end = self._await_dumps(store, k, world, inc.published_at)
-            leader = int(_text(store.get(self._key(k, "leader"))))
-            if leader == me and self._take_ownership(store, k, me):
+            # garbage a peer wrote there names no one: the owner race decides
+            elected = _rank_of(store.get(self._key(k, "leader")), world)
+            if elected in (me, None) and self._take_ownership(store, k, me):
                 self._lead(inc, store, world)
                 return
             # past any rank's own wait (hard_end), so a slow leader is not overtaken
@@ -322,12 +389,17 @@ class VerdictAgent(threading.Thread):
         """Make ``leader`` the lowest rank that voted (compare-and-set loop)."""
         key = self._key(k, "leader")
         current = _text(store.compare_set(key, "", str(me)))
-        while current and int(current) > me:
+        for _ in range(1 << 16):  # each round lowers the value, or another rank set it
+            theirs = _rank_of(current, self.rec.world_size or 1 << 20)
+            if not current or (theirs is not None and theirs <= me):
+                break
+            # a higher rank, or garbage a peer wrote there: ours replaces it
             seen = _text(store.compare_set(key, current, str(me)))
             if seen == str(me):
                 return me
             current = seen
-        return int(current) if current else me
+        theirs = _rank_of(current, self.rec.world_size or 1 << 20)
+        return me if theirs is None else theirs
 
     def _take_ownership(self, store: Any, k: int, me: int) -> bool:
         return _text(store.compare_set(self._key(k, "owner"), "", str(me))) == str(me)
@@ -338,9 +410,14 @@ class VerdictAgent(threading.Thread):
         until = time.monotonic() + self._wait_limit()
         while time.monotonic() < until:
             if store.check([key]):
-                verdict = json.loads(_text(store.get(key)))
-                self._learn(inc, verdict, elected=False)
-                return
+                verdict, why = check_verdict(store.get(key))
+                if verdict is not None:
+                    self._learn(inc, verdict, elected=False)
+                    return
+                with contextlib.suppress(Exception):
+                    log.warning("frforensics: the verdict in the store is not one (%s); "
+                                "still waiting", why)
+                until = min(until, time.monotonic() + 4 * poll)
             if time.monotonic() > takeover_at and not store.check([self._key(inc.k, "owner")]) \
                     and self._take_ownership(store, inc.k, me):
                 # The elected rank died before starting: take its place.
@@ -356,17 +433,20 @@ class VerdictAgent(threading.Thread):
         rec = self.rec
         t0 = time.monotonic()
         dump_dir = rec.config.dump_dir
-        work = dump_dir / ".frforensics_verdict" / f"{rec.namespace.replace('/', '-')}-{inc.k}"
-        work.mkdir(parents=True, exist_ok=True)
+        work = safe_dir(dump_dir / ".frforensics_verdict"
+                        / f"{rec.namespace.replace('/', '-')}-{inc.k}")
         paths, inputs = self._inputs(inc.k, store, world, work)
-        listing = work / "paths.txt"
-        listing.write_text("\n".join(paths) + "\n", encoding="utf-8")
+        listing = write_atomic(work / "paths.txt", "\n".join(paths) + "\n")
         cmd = [sys.executable, "-m", "frforensics", "verdict", "--paths-from", str(listing),
                "--out-dir", str(dump_dir), "--world-size", str(world), "--jobs", "1"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
         error = None
         text = ""
         report: dict[str, Any] | None = None
+        if inputs["skipped"]:
+            with contextlib.suppress(Exception):
+                log.warning("frforensics: verdict inputs skipped: %s",
+                            "; ".join(inputs["skipped"][:32]))
         try:
             proc = subprocess.run(cmd, capture_output=True, timeout=self.config.verdict_timeout_s,
                                   env=env, stdin=subprocess.DEVNULL, check=False)
@@ -398,24 +478,38 @@ class VerdictAgent(threading.Thread):
         self._learn(inc, verdict, elected=True)
 
     def _inputs(self, k: int, store: Any, world: int,
-                work: Path) -> tuple[list[str], dict[str, list[int]]]:
-        """Per rank: its dump file when visible as announced, else its digest."""
+                work: Path) -> tuple[list[str], dict[str, Any]]:
+        """Per rank: its dump file when visible as announced, else its digest.
+
+        Every store value is a peer's word (docs/security.md, "the store"): a
+        record or digest that is malformed, claims another rank, or never appears
+        is skipped with one note ``rank R: ...`` in ``inputs["skipped"]``; the
+        other ranks' inputs are used as they are."""
+        from frforensics.formats import frdump
         from frforensics.recorder._tail import inflate
 
+        skipped: list[str] = []
         ranks: list[int] = []
         with contextlib.suppress(Exception):
             if store.check([self._key(k, "ranks")]):
-                ranks = sorted({int(x) for x in _text(store.get(self._key(k, "ranks"))).split(",")
-                                if x.strip().isdigit() and int(x) < world})
+                raw_ranks = _text(store.get(self._key(k, "ranks")))[:16 * (world + 1)]
+                ranks = sorted({int(x) for x in raw_ranks.split(",")
+                                if x.strip().isdigit() and len(x.strip()) <= 8
+                                and int(x) < world})
         if not ranks:  # no append on this store: look key by key
             ranks = [r for r in range(world) if store.check([self._key(k, "dumped", r)])]
+        # only keys that are set: a get of a missing key blocks to the store's timeout
+        ranks = [r for r in ranks if store.check([self._key(k, "dumped", r)])]
         records: dict[int, dict[str, Any]] = {}
         for i in range(0, len(ranks), _CHUNK):
             chunk = ranks[i:i + _CHUNK]
             for r, raw in zip(chunk, store.multi_get([self._key(k, "dumped", r) for r in chunk]),
                               strict=True):
-                with contextlib.suppress(ValueError):
-                    records[r] = json.loads(_text(raw))
+                record, why = check_record(raw, r)
+                if record is None:
+                    skipped.append(f"rank {r}: {why}")
+                else:
+                    records[r] = record
         dump_dir = self.rec.config.dump_dir
         files: dict[int, str] = {}
         want_digest: list[int] = []
@@ -425,12 +519,19 @@ class VerdictAgent(threading.Thread):
             if self.config.verdict_source != "store":
                 with contextlib.suppress(OSError):
                     st = path.stat()
-                    visible = (st.st_size, st.st_mtime_ns) == (record.get("size"),
-                                                              record.get("mtime_ns"))
+                    visible = (st.st_size, st.st_mtime_ns) == (record["size"], record["mtime_ns"])
             if visible:
                 files[r] = str(path)
-            elif record.get("digest"):
+            elif record["digest"]:
                 want_digest.append(r)
+        # a digest is set before its record: give a late one two polls, then go on
+        until = time.monotonic() + min(2 * self.rec.config.store_poll_interval_s, 10.0)
+        missing = [r for r in want_digest if not store.check([self._key(k, "digest", r)])]
+        while missing and time.monotonic() < until:
+            time.sleep(min(0.1, self.rec.config.store_poll_interval_s / 4))
+            missing = [r for r in missing if not store.check([self._key(k, "digest", r)])]
+        skipped.extend(f"rank {r}: digest missing (its record claims one)" for r in missing)
+        want_digest = [r for r in want_digest if r not in missing]
         digests: dict[int, str] = {}
         for i in range(0, len(want_digest), _CHUNK):
             chunk = want_digest[i:i + _CHUNK]
@@ -438,11 +539,22 @@ class VerdictAgent(threading.Thread):
                               strict=True):
                 try:
                     data = inflate(bytes(raw))
-                except ValueError as exc:
-                    self.rec.note_error(f"digest of rank {r}", exc)
+                    claimed = frdump.decode(data, source=f"digest of rank {r}").rank
+                except MemoryError:
+                    skipped.append(f"rank {r}: digest too large for memory")
                     continue
-                target = work / f"frdump_rank_{r}"
-                target.write_bytes(data)
+                except Exception as exc:  # any damage: that rank's digest only
+                    skipped.append(f"rank {r}: bad digest ({type(exc).__name__}: "
+                                   f"{str(exc)[:200]})")
+                    continue
+                if claimed != r:
+                    skipped.append(f"rank {r}: digest claims rank {claimed}")
+                    continue
+                try:
+                    target = write_atomic(work / f"frdump_rank_{r}", data, mode=0o600)
+                except OSError as exc:
+                    skipped.append(f"rank {r}: {exc}")
+                    continue
                 digests[r] = str(target)
         if self.config.verdict_source != "store":
             # Ranks that dumped but never announced (died before the store knew):
@@ -457,11 +569,12 @@ class VerdictAgent(threading.Thread):
                     if path.stat().st_mtime_ns >= floor:
                         files[r] = str(path)
         none = [r for r in range(world) if r not in files and r not in digests]
-        sizes = [int(rec.get("digest_bytes", 0)) for rec in records.values()]
+        sizes = [rec["digest_bytes"] for rec in records.values()]
         self.digest_bytes = {"ranks": len(sizes), "total": sum(sizes),
                              "max": max(sizes, default=0)}
         paths = [files.get(r) or digests[r] for r in sorted({*files, *digests})]
-        return paths, {"files": sorted(files), "digests": sorted(digests), "none": none}
+        return paths, {"files": sorted(files), "digests": sorted(digests), "none": none,
+                       "skipped": skipped}
 
     def _compact(self, k: int, report: dict[str, Any] | None, text: str,
                  inputs: dict[str, list[int]], error: str | None, dump_dir: Path) -> dict[str, Any]:

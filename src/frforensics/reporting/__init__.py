@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from frforensics._atomic import write_atomic
 from frforensics.errors import UsageError
 from frforensics.report import Report
 from frforensics.reporting import html, json_report, junit, markdown, text
@@ -60,6 +61,4 @@ def write_all(report: Report, out_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def _write_atomic(path: Path, text_: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text_, encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, text_)
