@@ -10,12 +10,19 @@ that differ from it come first.
 
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter, defaultdict
 
 import numpy as np
 
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.digest import EntryDetail
+from frforensics.analyzer.digest import (
+    SIZE_FROM_OUTPUT,
+    EntryDetail,
+    compared_dtypes,
+    compared_side,
+)
 from frforensics.analyzer.signatures import Field, Mismatch, units
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -67,7 +74,8 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
     if m.field == "dtype":
         for r, det in details.items():
             if det is not None:
-                values[r] = det.in_dtypes or values[r]
+                values[r] = compared_dtypes(det.op, det.in_dtypes, det.out_dtypes,
+                                            _side(det)) or values[r]
         classes = defaultdict(list)
         for rank, value in sorted(values.items()):
             classes[value].append(rank)
@@ -75,8 +83,11 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
             top_value = values[majority[0]]
     if m.field == "size":
         for r, det in details.items():
-            if det is not None and det.in_shapes:
-                values[r] = f"{values[r]} {det.in_shapes}"
+            shapes = None if det is None else (
+                det.out_shapes if _side(det) == 1 or det.op in SIZE_FROM_OUTPUT
+                else det.in_shapes)
+            if shapes:
+                values[r] = f"{values[r]} {shapes}"
     op = None
     for r in (majority or culprits):
         det = details.get(r)
@@ -121,6 +132,25 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
         location=location,
         evidence=evidence,
     )
+
+
+_DIMS = re.compile(r"\[([\d, ]*)\]")
+
+
+def _numel(shapes: str) -> int:
+    """Elements of a shapes text such as ``[[4, 4], [2]]`` (0 where unreadable)."""
+    total = 0
+    if shapes.strip() in ("", "[]", "None"):
+        return 0  # no tensors
+    for dims in _DIMS.findall(shapes[:4096]):
+        total += math.prod(int(d) for d in dims.replace(" ", "").split(",") if d)
+    return total
+
+
+def _side(det: EntryDetail) -> int:
+    """``compared_side`` of a kept entry, sizes from its shapes text."""
+    return compared_side(det.op, det.in_dtypes, det.out_dtypes, _numel(det.in_shapes),
+                         _numel(det.out_shapes))
 
 
 def _value_at(ctx: Context, rank: int, gid: int, seq: int, field: Field) -> int | None:
