@@ -42,17 +42,70 @@ from frforensics.model import (
     user_frame,
 )
 
-__all__ = ["EntryDetail", "RankDigest", "coalesced_units", "digest", "str_hash", "user_frame",
-           "windowed"]
+__all__ = ["DTYPE_UNCHECKED", "ROOTED_OPS", "SIZE_FROM_OUTPUT", "EntryDetail", "RankDigest", "coalesced_units", "compared_dtypes",
+           "compared_side", "digest", "str_hash", "user_frame", "windowed"]
 
 DEFAULT_TAIL: Final = 32
 
-# Ops whose input size differs legitimately between members (uneven splits, or
-# the input lives on the root only): their size is not compared across ranks.
-_SIZE_FROM_OUTPUT: Final = frozenset({"scatter"})
+# What every member of a collective must agree on (docs/native-format.md, "What
+# members agree on", with PyTorch's source line for each rule):
+# * most ops: the input (all_reduce, broadcast, reduce, reduce_scatter*, the
+#   all_gather_into_tensor forms, their coalesced forms);
+# * ``all_gather`` (a list of outputs): the outputs' total, the same on every rank
+#   even when the inputs are uneven (NCCL allows per-rank input sizes there);
+# * rooted ops (``ROOTED_OPS``): the one tensor every member holds, on whichever
+#   side the writer put it (``compared_side``);
+# * uneven ops (all_to_all with splits): the dtype only; their sizes differ
+#   legitimately between members, and so do their totals.
+SIZE_FROM_OUTPUT: Final = frozenset({"all_gather"})
 _SIZE_UNCHECKED: Final = frozenset(
-    {"all_to_all", "all_to_all_single", "alltoall", "gather", "barrier", "coalesced", ""}
+    {"all_to_all", "all_to_all_single", "alltoall", "barrier", "coalesced", ""}
 )
+#: ops with a root whose other members hold only their own chunk
+ROOTED_OPS: Final = frozenset({"scatter", "gather"})
+#: ``dtype_hash`` of an entry whose dtype is not compared (as ``size`` -1)
+DTYPE_UNCHECKED: Final = 0xFFFFFFFF
+_UNDEFINED: Final = "Undefined"  # c10::toString(ScalarType::Undefined): NCCL's placeholder
+
+
+def compared_side(op: str, in_dtypes: str, out_dtypes: str, in_numel: int = 0,
+                  out_numel: int = 0) -> int:
+    """Which side of an entry members compare: 0 inputs, 1 outputs, -1 neither.
+
+    Only rooted ops (``ROOTED_OPS``) choose; every other op compares its inputs
+    (0). Of a scatter or gather every member holds one tensor of the same size
+    and dtype, its *chunk* (what it receives from scatter, sends to gather); the
+    other side is the root's ``world`` chunks and nothing elsewhere. Writers put
+    the chunk on different sides (docs/native-format.md, "What members agree
+    on"): gloo records a scatter's chunk as its output and the root's chunks,
+    stacked into one ``[world, *chunk]`` tensor, as its input (non-roots: none);
+    NCCL records the chunk as the *input* of both scatter and gather and, on a
+    non-root, an undefined tensor (dtype ``Undefined``) as the other side; our
+    recorder as gloo, with the root's chunks as a list. So: the side that is
+    defined when only one is; on the root, where both are, the smaller (the
+    root's side is ``world`` times the chunk; equal in a one-member group: the
+    inputs); neither (a damaged entry): nothing is compared.
+    """
+    if op not in ROOTED_OPS:
+        return 0
+    ins = any(d and d != _UNDEFINED for d in in_dtypes.split(","))
+    outs = any(d and d != _UNDEFINED for d in out_dtypes.split(","))
+    if ins and outs:
+        return 0 if in_numel <= out_numel else 1
+    return 0 if ins else 1 if outs else -1
+
+
+def compared_dtypes(op: str, in_dtypes: str, out_dtypes: str, side: int | None = None) -> str:
+    """The dtype text members compare for an entry (``compared_side``)."""
+    if op not in ROOTED_OPS:
+        return in_dtypes
+    if side is None:
+        side = compared_side(op, in_dtypes, out_dtypes)
+    if side < 0:
+        return ""
+    text = in_dtypes if side == 0 else out_dtypes
+    return ",".join(d for d in text.split(",") if d and d != _UNDEFINED)
+
 
 def str_hash(s: str) -> int:
     """A stable 32-bit hash of a string (the same in every process)."""
@@ -331,6 +384,63 @@ def _effective_p2p(group: npt.NDArray[np.int32], p2p_seq: I8, is_p2p: U1,
     return p2p
 
 
+def _rooted(trace: RankTrace, op: str, rows: npt.NDArray[np.intp], size: I8,
+            dtype_hash: U4) -> None:
+    """Size and dtype of rooted entries at ``rows`` from their compared side
+    (``compared_side``), in place; -1 (not compared) where neither side is one
+    tensor. Each distinct (inputs, outputs) dtype pair is decided once."""
+    e = trace.entries
+    pairs: dict[tuple[int, int, bool], tuple[int, int]] = {}
+    for row in rows.tolist():
+        smaller_in = bool(e.in_numel[row] <= e.out_numel[row])
+        key = (int(e.in_dtypes[row]), int(e.out_dtypes[row]), smaller_in)
+        hit = pairs.get(key)
+        if hit is None:
+            ins, outs = trace.string(key[0]), trace.string(key[1])
+            side = compared_side(op, ins, outs, 0, 0 if smaller_in else -1)
+            hit = pairs[key] = (side, str_hash(compared_dtypes(op, ins, outs, side)))
+        side, dtype = hit
+        dtype_hash[row] = DTYPE_UNCHECKED if side < 0 else dtype
+        size[row] = (-1 if side < 0 else int(e.in_numel[row]) if side == 0
+                     else int(e.out_numel[row]))
+
+
+#: the member op of each typed closing entry (NCCL's uneven all_gather and
+#: reduce_scatter: ``_broadcast_oop`` / ``_reduce_oop`` members, docs/native-format.md)
+_MEMBER_OF: Final = {"ALLGATHER_coalesced": "_broadcast_oop",
+                     "REDUCE_SCATTER_coalesced": "_reduce_oop"}
+
+
+def _units_in_order(trace: RankTrace, rows: npt.NDArray[np.intp],
+                    closing: npt.NDArray[np.bool_]) -> I8:
+    """Record-order numbers (1, 2, ...) of a group's collectives ``rows`` whose
+    seqs carry no order: a coalesced block takes one number, as PyTorch bumps
+    ``seqCollective_`` once per block.
+
+    A block is a closing entry and the run of entries right before it that are
+    its members: the typed closings' member op (``_MEMBER_OF``), or for a plain
+    ``coalesced`` the op of the entry just before it (``_coalescing_manager``
+    blocks hold one kind of op). A lone op of the same kind right before such a
+    block reads as a member: the ranks' records agree on it either way.
+    """
+    e = trace.entries
+    names = [trace.string(int(i)) for i in e.op[rows].tolist()]
+    is_close = closing[rows].tolist()
+    block_start = np.arange(len(rows), dtype=np.int64)
+    i = len(rows) - 1
+    while i >= 0:
+        if is_close[i]:
+            member = _MEMBER_OF.get(names[i], names[i - 1] if i > 0 else "")
+            j = i
+            while j > 0 and not is_close[j - 1] and names[j - 1] == member:
+                j -= 1
+            block_start[j:i + 1] = j
+            i = j - 1
+        else:
+            i -= 1
+    return np.cumsum(block_start == np.arange(len(rows), dtype=np.int64)).astype(np.int64)
+
+
 def _record_order_seqs(trace: RankTrace, seq: I8, op_hash: U4) -> tuple[I8, tuple[str, ...]]:
     """Collective seqs, numbered by record order in groups whose seqs never increase.
 
@@ -353,14 +463,19 @@ def _record_order_seqs(trace: RankTrace, seq: I8, op_hash: U4) -> tuple[I8, tupl
     out = np.ascontiguousarray(seq)
     for local in np.unique(e.pg[coll]).tolist():
         rows = np.flatnonzero(coll & (e.pg == local))
-        if len(rows) < 2 or int(seq[rows].min()) != int(seq[rows].max()):
+        if int(seq[rows].min()) != int(seq[rows].max()):
             continue
-        closes = np.flatnonzero(closing[rows])
-        if len(closes) == 1 and int(closes[0]) == len(rows) - 1:
+        # PyTorch's first collective seq is 1 (the counter is bumped before the
+        # record), so a 0 carries no order even on a single entry
+        zero = int(seq[rows[0]]) == 0
+        if len(rows) < 2 and not zero:
+            continue
+        numbers = _units_in_order(trace, rows, closing)
+        if int(numbers[-1]) == 1 and not zero:
             continue  # one coalesced block (or what eviction left of it)
         if out is seq:
             out = seq.copy()
-        out[rows] = np.arange(1, len(rows) + 1, dtype=np.int64)
+        out[rows] = numbers
         name = trace.groups[local].name if 0 <= local < len(trace.groups) else str(local)
         notes.append(f"group {name[:40]}: collective_seq_id never increases ({len(rows)} entries "
                      f"say {int(seq[rows[0]])}): collectives matched by record order"
@@ -424,14 +539,17 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
 
     op_hash = hashed(e.op)
     size = e.in_numel.copy()
+    dtype_hash = hashed(e.in_dtypes)
     op_names: dict[int, str] = {}
     for i in np.unique(e.op).tolist():
         name = trace.string(int(i))
         op_names[str_hash(name) if name else 0] = name
-        if name in _SIZE_FROM_OUTPUT:
+        if name in SIZE_FROM_OUTPUT:
             size[e.op == i] = e.out_numel[e.op == i]
         elif name in _SIZE_UNCHECKED:
             size[e.op == i] = -1
+        elif name in ROOTED_OPS:
+            _rooted(trace, name, np.flatnonzero(e.op == i), size, dtype_hash)
     size[e.is_p2p.astype(bool)] = -1
 
     # a call site is the whole stack (two call paths may share their user frame);
@@ -487,7 +605,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         is_p2p=is_p2p if unit is not None else np.ascontiguousarray(e.is_p2p),
         peer=np.ascontiguousarray(e.peer),
         op_hash=op_hash,
-        dtype_hash=hashed(e.in_dtypes),
+        dtype_hash=dtype_hash,
         size=size,
         state=state if unit is not None else np.ascontiguousarray(e.state),
         t_enqueue_ns=np.ascontiguousarray(e.t_enqueue_ns),

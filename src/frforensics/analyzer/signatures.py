@@ -21,7 +21,7 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from frforensics.analyzer.digest import CLOSING_OPS
+from frforensics.analyzer.digest import CLOSING_OPS, DTYPE_UNCHECKED
 from frforensics.analyzer.merge import CollectiveRows, JobModel, collective_rows
 
 Field = Literal["op", "dtype", "size"]
@@ -54,7 +54,7 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
             return None
     seq = d.seq[rows]
     op = d.op_hash[rows].astype(np.int64)
-    dtype = d.dtype_hash[rows].astype(np.int64)
+    dtype = _dtypes(d.dtype_hash[rows])
     size = d.size[rows]
     order = np.argsort(seq, kind="stable")
     seq, op, dtype, size = seq[order], op[order], dtype[order], size[order]
@@ -66,12 +66,29 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         pos = np.arange(len(seq)) - np.repeat(starts, np.diff(np.r_[starts, len(seq)]))
         weight = (2 * pos + 1).astype(np.uint64)
         op = np.add.reduceat(op.astype(np.uint64) * weight, starts).view(np.int64)
-        dtype = np.add.reduceat(dtype.astype(np.uint64) * weight, starts).view(np.int64)
+        dtype = _combine_dtypes(dtype, weight, starts)
         unchecked = np.minimum.reduceat(size, starts) < 0
         size = np.where(unchecked, -1, np.add.reduceat(size, starts))
         seq = seq[starts]
     ranks = np.full(len(seq), rank, dtype=np.int64)
     return seq, ranks, op, dtype, size
+
+
+def _dtypes(hashes: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
+    """Dtype hashes as int64, -1 where not compared (``DTYPE_UNCHECKED``)."""
+    out = hashes.astype(np.int64)
+    out[hashes == DTYPE_UNCHECKED] = -1
+    return out
+
+
+def _combine_dtypes(dtype: npt.NDArray[np.int64], weight: npt.NDArray[np.uint64],
+                    starts: npt.NDArray[np.intp]) -> npt.NDArray[np.int64]:
+    """One dtype value per coalesced unit (order-aware sum); -1 when any member's
+    dtype is not compared. A sum is kept non-negative (63 bits): -1 stays unique."""
+    combined = np.add.reduceat(dtype.astype(np.uint64) * weight, starts)
+    out = (combined & np.uint64((1 << 63) - 1)).view(np.int64)
+    out[np.minimum.reduceat(dtype, starts) < 0] = -1
+    return out
 
 
 def _maybe_cut(job: JobModel, rank: int, rows: npt.NDArray[np.intp], seq: int) -> bool:
@@ -125,7 +142,7 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     index = c.take[order]
     del order
     op = c.column_at("op_hash", index).astype(np.int64)
-    dtype = c.column_at("dtype_hash", index).astype(np.int64)
+    dtype = _dtypes(c.column_at("dtype_hash", index))
     size = c.column_at("size", index)
     del index
     n = len(seq)
@@ -135,7 +152,7 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
         pos = np.arange(n) - np.repeat(ustarts, np.diff(np.r_[ustarts, n]))
         weight = (2 * pos + 1).astype(np.uint64)
         op = np.add.reduceat(op.astype(np.uint64) * weight, ustarts).view(np.int64)
-        dtype = np.add.reduceat(dtype.astype(np.uint64) * weight, ustarts).view(np.int64)
+        dtype = _combine_dtypes(dtype, weight, ustarts)
         unchecked = np.minimum.reduceat(size, ustarts) < 0
         size = np.where(unchecked, -1, np.add.reduceat(size, ustarts))
         seq, gid, at = seq[ustarts], gid[ustarts], at[ustarts]
@@ -200,7 +217,8 @@ def _bad(starts: npt.NDArray[np.intp], op: npt.NDArray[np.int64], dtype: npt.NDA
     sized = np.minimum.reduceat(size, starts) >= 0
     bad_size = multi & ~bad_op & sized & (
         np.maximum.reduceat(checked, starts) != np.minimum.reduceat(checked, starts))
-    bad_dtype = multi & ~bad_op & ~bad_size & (
+    typed = np.minimum.reduceat(dtype, starts) >= 0  # -1: a member's dtype is not compared
+    bad_dtype = multi & ~bad_op & ~bad_size & typed & (
         np.maximum.reduceat(dtype, starts) != np.minimum.reduceat(dtype, starts))
     return bad_op, bad_size, bad_dtype
 

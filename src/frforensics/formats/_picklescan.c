@@ -17,7 +17,8 @@
  *
  * It only ever answers for the *regular* document that the Python column reader
  * (formats/native.py, _columns_bulk) accepts, with the same values: every entry
- * a dict holding every field that reader needs, with the types it expects. On
+ * a dict holding every field that reader needs, with the types it expects (or a
+ * numeric string in an integer field, which both read as its integer). On
  * anything else -- an opcode outside the plain-builtins subset (globals, reduce,
  * persistent ids, sets, bytes...), a truncated or malformed stream, an odd type,
  * a missing field, invalid UTF-8 -- it returns None and the caller decodes the
@@ -41,6 +42,9 @@
  *   i64 columns    in_numel, out_numel, record_id, seq, p2p_seq, t_enqueue,
  *                  t_start, t_complete, timeout_ms, duration (ns, -1 = unknown)
  *   u8 columns     is_p2p, retired
+ *   string_ints    bit k set: integer column record_id + k (INT_KEYS order) held
+ *                  numeric strings somewhere, read as their integers (as the
+ *                  Python reader's lenient_ints, which notes it)
  *   frame table    frame_file, frame_name (i32 string ids), frame_line (i64)
  *   stack table    stack_offsets (i32, n_stacks + 1), stack_frames (i32 frame ids)
  */
@@ -787,6 +791,32 @@ static int read_int(Scan *s, int32_t node, int none_ok, int64_t *out) {
     return OK;
 }
 
+/* A numeric string in an integer field, as PyTorch's analyzer tests write sequence
+ * ids (str(collective_seq_id)): optional blanks, an optional sign, 1 to 18
+ * digits, optional blanks -- the Python reader's lenient_ints pattern. Sets
+ * *out and returns 1; 0 for anything else (left to the Python reader). */
+static int numeric_string(Scan *s, Node *nd, int64_t *out) {
+    if (nd->tag != T_STR)
+        return 0;
+    const char *p = AT(s->sptr, const char *, nd->v);
+    int32_t n = AT(s->slen, int32_t, nd->v), i = 0, digits = 0;
+    int64_t v = 0, sign = 1;
+    while (i < n && (p[i] == ' ' || (p[i] >= '\t' && p[i] <= '\r')))
+        i++;
+    if (i < n && (p[i] == '+' || p[i] == '-'))
+        sign = p[i++] == '-' ? -1 : 1;
+    while (i < n && p[i] >= '0' && p[i] <= '9' && digits < 19) {
+        v = v * 10 + (p[i++] - '0');
+        digits++;
+    }
+    while (i < n && (p[i] == ' ' || (p[i] >= '\t' && p[i] <= '\r')))
+        i++;
+    if (digits == 0 || digits > 18 || i != n)
+        return 0;
+    *out = sign * v;
+    return 1;
+}
+
 static int read_frame(Scan *s, int32_t node, int32_t *fid) {
     if (s->node_fid[node] >= 0) {
         *fid = s->node_fid[node];
@@ -1049,6 +1079,7 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
     int32_t *i32[N_I32];
     int64_t *i64[N_I64];
     uint8_t *is_p2p = NULL, *retired = NULL;
+    long string_ints = 0;
     int rc = OK;
     memset(i32, 0, sizeof i32);
     memset(i64, 0, sizeof i64);
@@ -1129,9 +1160,15 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
             i32[C_THREAD][i] = K_EMPTY;
         else if ((rc = read_str(s, f[K_THREAD_NAME], &i32[C_THREAD][i])) != OK)
             break;
-        for (int k = 0; k < (int)(sizeof INT_KEYS / sizeof INT_KEYS[0]) && rc == OK; k++)
+        for (int k = 0; k < (int)(sizeof INT_KEYS / sizeof INT_KEYS[0]) && rc == OK; k++) {
             rc = read_int(s, f[INT_KEYS[k]], INT_KEYS[k] != K_COLLECTIVE_SEQ_ID,
                           &i64[C_RECORD_ID + k][i]);
+            if (rc == IRREGULAR
+                && numeric_string(s, N(s, f[INT_KEYS[k]]), &i64[C_RECORD_ID + k][i])) {
+                string_ints |= 1L << k; /* the caller notes the field */
+                rc = OK;
+            }
+        }
         if (rc != OK)
             break;
         i64[C_DURATION][i] = read_duration(s, f[K_DURATION]);
@@ -1151,6 +1188,12 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
         PyObject *count = PyLong_FromSsize_t(n);
         rc = count == NULL || PyDict_SetItemString(result, "n", count) < 0 ? ERR : OK;
         Py_XDECREF(count);
+    }
+    if (rc == OK) {
+        /* bit k: the integer column C_RECORD_ID + k held numeric strings */
+        PyObject *mask = PyLong_FromLong(string_ints);
+        rc = mask == NULL || PyDict_SetItemString(result, "string_ints", mask) < 0 ? ERR : OK;
+        Py_XDECREF(mask);
     }
 done:
     for (int c = 0; c < N_I32; c++)

@@ -306,9 +306,47 @@ class _Irregular(Exception):
     """The document is not uniform enough for the column-at-a-time reader."""
 
 
-def _int_list(values: list[Any], what: str, source: str) -> np.ndarray:
+_NUMERIC: Final = re.compile(r"^\s*[+-]?\d{1,18}\s*$")
+
+
+def lenient_ints(values: Sequence[Any], what: str) -> tuple[list[Any], list[str]]:
+    """An integer field's values as PyTorch's own analyzer tolerates them.
+
+    PyTorch's analyzer compares sequence ids with ``==`` and never converts them,
+    and its tests write them as strings (``create_one_event``:
+    ``"collective_seq_id": str(collective_seq_id)``). So a numeric string is read
+    as its integer, and any other non-integer (a float, a list, a word) makes that
+    entry's field unknown (read as absent, ``None``), never the dump unreadable.
+    Each kind of leniency used gives one note naming the field (the analysis
+    merges equal notes across ranks, naming them).
+    """
+    out: list[Any] = []
+    strings = odd = 0
+    for v in values:
+        if type(v) in _INT_TYPES:
+            out.append(v)
+        elif isinstance(v, str) and _NUMERIC.match(v):
+            out.append(int(v))
+            strings += 1
+        else:
+            out.append(None)
+            odd += 1
+    notes = []
+    if strings:
+        notes.append(f"entry field {what!r} written as numeric strings (as PyTorch's analyzer "
+                     "tests write it): read as integers")
+    if odd:
+        notes.append(f"entry field {what!r} holds a non-integer in some entries: unknown "
+                     "there (read as absent)")
+    return out, notes
+
+
+def _int_list(values: list[Any], what: str, source: str,
+              notes: list[str] | None = None) -> np.ndarray:
     if not set(map(type, values)) <= _INT_TYPES:
-        raise CorruptDumpError(f"{source}: entry field {what!r} holds a non-integer")
+        values, said = lenient_ints(values, what)
+        if notes is not None:
+            notes.extend(n for n in said if n not in notes)
     try:
         out = np.array([0 if v is None else v for v in values], dtype=np.int64)
     except (TypeError, ValueError, OverflowError):
@@ -422,6 +460,8 @@ class _Context:
         self.op_kind = _Memo(self._new_op_kind)
         # backend prefixes of profiling names ("nccl:all_reduce" -> "nccl")
         self.backends: set[str] = set()
+        # what the readers read leniently (``lenient_ints``), one note per kind
+        self.notes: list[str] = []
 
     def group_of(self, name: str, desc: str) -> int:
         i = self.group_index.get(name)
@@ -681,7 +721,7 @@ def _columns_general(entries: list[dict[str, Any]], ctx: _Context, source: str,
                     break
                 v = e.get(fb)
             values.append(v)
-        return _int_list(values, key, source)
+        return _int_list(values, key, source, ctx.notes)
 
     t_complete = col("time_discovered_completed_ns")
     _mark_finished(state, retired, t_complete)
@@ -892,7 +932,7 @@ def to_trace(
         cols = _columns_general(entries, ctx, source, limits)
 
     n = len(entries)
-    details = _read_details(entries, _detail_rows(cols, n, detail_tail), ctx.strings, source,
+    details = _read_details(entries, _detail_rows(cols, n, detail_tail, ctx), ctx.strings, source,
                             limits)
     stacks = _Stacks(source, limits)
     stack = stacks.column(entries)
@@ -1002,13 +1042,28 @@ def _header(
                    _enqueued_total(doc.get("pg_status")))
 
 
-def _detail_rows(cols: _Columns, n: int, detail_tail: int | None) -> Iterable[int]:
-    """Rows whose report-only columns are resolved (see :func:`to_trace`)."""
+#: ops whose compared side is chosen per entry from both dtype lists (the digest's
+#: ``agreed_side``): their output dtypes are read in every view
+ROOTED_OPS: Final = frozenset({"scatter", "gather"})
+
+
+def _detail_rows(cols: _Columns, n: int, detail_tail: int | None,
+                 ctx: _Context | None = None) -> Iterable[int]:
+    """Rows whose report-only columns are resolved (see :func:`to_trace`): the
+    tail, every unfinished entry, and every rooted op (``ROOTED_OPS``), whose
+    output dtypes the matching reads."""
     if detail_tail is None:
         return range(n)
     pending = np.flatnonzero(cols.state < OpState.COMPLETED)
     start = max(0, n - detail_tail)
-    return sorted({*range(start, n), *pending[pending < start].tolist()})
+    rows = {*range(start, n), *pending[pending < start].tolist()}
+    if ctx is not None and ctx.op_kinds:
+        texts = ctx.strings.strings
+        rooted = [k for k, (s, _peer, _p2p) in enumerate(ctx.op_kinds) if texts[s] in ROOTED_OPS]
+        if rooted:
+            hits = np.flatnonzero(np.isin(cols.op_kind[:start], rooted))
+            rows.update(hits.tolist())
+    return sorted(rows)
 
 
 def _assemble(
@@ -1071,7 +1126,7 @@ def _assemble(
         strings=tuple(strings),
         stacks=stacks,
         entries=table,
-        notes=(*header.notes, *_unknown_notes(cols, n)),
+        notes=(*header.notes, *ctx.notes, *_unknown_notes(cols, n)),
         unrecorded_ops=unrecorded,
     )
 
@@ -1189,6 +1244,12 @@ def _first_seen(codes: np.ndarray, fill: Callable[[int], int], dtype: Any) -> np
     return lut[inverse.reshape(-1)]
 
 
+#: the scanner's integer columns in its ``string_ints`` bit order (INT_KEYS)
+_SCANNED_INT_FIELDS: Final = ("record_id", "collective_seq_id", "p2p_seq_id", "time_created_ns",
+                              "time_discovered_started_ns", "time_discovered_completed_ns",
+                              "timeout_ms")
+
+
 def _trace_from_scan(
     sc: dict[str, Any], *, source: str, rank: int | None, detail_tail: int | None,
     limits: Limits = DEFAULT_LIMITS,
@@ -1234,11 +1295,16 @@ def _trace_from_scan(
         duration_ns=col("duration", np.int64),
     )
 
+    mask = int(sc.get("string_ints", 0))
+    for bit, field in enumerate(_SCANNED_INT_FIELDS):
+        if mask >> bit & 1:
+            ctx.notes.extend(lenient_ints(["0"], field)[1])
+
     # report-only columns, interned row by row in the Python reader's order
     details = _Details(*(np.full(n, NO_INDEX, dtype=np.int32) for _ in range(4)))
     sources = [col(name, np.int32) for name in ("in_sizes", "out_sizes", "out_dtypes", "thread")]
     table = ctx.strings
-    for i in _detail_rows(cols, n, detail_tail):
+    for i in _detail_rows(cols, n, detail_tail, ctx):
         for out, src in zip(details, sources, strict=True):
             out[i] = table[strings[src[i]]]
 

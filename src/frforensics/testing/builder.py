@@ -386,6 +386,7 @@ class JobBuilder:
         )
         self.run_ahead = run_ahead
         self._cat = plan.cat
+        self._sim, self._start_counts = sim, start_counts
         expected = self._expected(plan, sim)
         dump_ms = sim.last_event_ms + self._dump_delay_s * 1000.0
         for f in self._faults:
@@ -712,7 +713,7 @@ class JobBuilder:
                 return Expected(status="hang", kinds=("timeout",), culprit_ranks=(r,),
                                 group=self._group_of(gid), seq=seq, seq_kind="collective",
                                 op=plan.cat.specs[members[0][2]].op, waiting_ranks=waiting)
-            return self._mismatch_verdict(plan, gid, seq, members)
+            return self._mismatch_verdict(plan, gid, seq, members, r)
         if f.kind == "skip":
             return self._skip_verdict(plan, sim, f)
         if f.kind in ("stuck", "dead"):
@@ -747,7 +748,8 @@ class JobBuilder:
         raise AssertionError(f.kind)
 
     def _mismatch_verdict(
-        self, plan: _Plan, gid: int, seq: int, members: list[tuple[int, int, int]]
+        self, plan: _Plan, gid: int, seq: int, members: list[tuple[int, int, int]],
+        planted: int | None = None,
     ) -> Expected:
         specs = plan.cat.specs
         by_sig: dict[tuple[object, ...], list[int]] = {}
@@ -756,6 +758,16 @@ class JobBuilder:
         classes = sorted(by_sig.values(), key=len)
         small = len(classes[0])
         culprits = tuple(sorted(m for c in classes if len(c) == small for m in c))
+        # a tie (two members, an even split): the analogous groups (same desc and
+        # size, SPMD) issue the planted rank's peers' call at this seq, so they
+        # single out the planted rank's class (the analyzer's analog rule)
+        if planted is not None and len(classes) > 1 and len(classes[-1]) == small:
+            reference = self._analog_reference(plan, gid, seq)
+            sig_of = {m: specs[sid].signature for m, _, sid in members}
+            mine = next(c for c in classes if planted in c)
+            if (reference is not None and sig_of[planted] != reference
+                    and any(sig_of[m] == reference for c in classes if c is not mine for m in c)):
+                culprits = tuple(sorted(mine))
         sid_of = {m: sid for m, _, sid in members}
         majority = specs[sid_of[classes[-1][0]]]
         odd = specs[sid_of[classes[0][0]]]
@@ -769,6 +781,39 @@ class JobBuilder:
                         group=self._group_of(gid), seq=seq, seq_kind="collective", op=majority.op,
                         waiting_ranks=tuple(sorted(m for m, _, _ in members)))
 
+    def _analog_reference(self, plan: _Plan, gid: int, seq: int) -> tuple[object, ...] | None:
+        """The signature most members of ``gid``'s analogous groups (same desc and
+        size) posted at ``seq`` — clearly most (more than twice the runner-up, as
+        the analyzer asks), else None; at most 64 votes, as the analyzer."""
+        lay, specs, sim = self.layout, plan.cat.specs, self._sim
+        group = lay.groups[gid]
+        kind_name = next(k for k in GROUP_KINDS if k in lay.gid_of
+                         and int(lay.gid_of[k][group.ranks[0]]) == gid)
+        kind = GROUP_KINDS.index(kind_name)
+        votes: Counter[tuple[object, ...]] = Counter()
+        for other, g in enumerate(lay.groups):
+            if other == gid or g.desc != group.desc or len(g.ranks) != len(group.ranks):
+                continue
+            for m in g.ranks:
+                count = int(self._start_counts[m][kind])
+                last = -1
+                for sid, ins in zip(sim.ops[m].tolist(), sim.instr_index[m].tolist(),
+                                    strict=True):
+                    spec = specs[sid]
+                    if ins == last or spec.is_p2p or spec.group != kind_name:
+                        continue
+                    last = ins
+                    count += 1
+                    if count == seq:
+                        votes[spec.signature] += 1
+                        break
+            if sum(votes.values()) >= 64:
+                break
+        if not votes:
+            return None
+        (best, n), *rest = votes.most_common(2)
+        return None if rest and rest[0][1] * 2 > n else best
+
     def _skip_verdict(self, plan: _Plan, sim: SimResult, f: Fault) -> Expected:
         r = f.ranks[0]
         gid = int(self.layout.gid_of[f.group][r])
@@ -780,7 +825,7 @@ class JobBuilder:
         members = sim.pending_collectives[key]
         posted = {m for m, _, _ in members}
         if r in posted and len(posted) == len(group.ranks):
-            v = self._mismatch_verdict(plan, gid, key[1], members)
+            v = self._mismatch_verdict(plan, gid, key[1], members, r)
             first = (r, *(m for m in v.culprit_ranks if m != r)) if r in v.culprit_ranks else v.culprit_ranks
             note = (f"rank {r} skipped one collective on {f.group}: its next one met its peers' "
                     f"seq {key[1]} and disagreed",)

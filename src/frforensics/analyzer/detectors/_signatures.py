@@ -1,21 +1,36 @@
 """Shared wording of the three mismatch detectors (the comparison itself is
 ``analyzer.signatures``, computed before the detectors run).
 
-The culprits are the minority. On a tie (two-member groups, even splits) every
-rank of the tie is named, most likely first: the group's *analogs* — groups with
-the same description and size (the other TP or DP groups of an SPMD job), which
-issue the same calls at the same seq — show the expected value, and the members
-that differ from it come first.
+The culprits are the minority. On a tie (two-member groups, even splits) the
+group's *analogs* — groups with the same description and size (the other TP or
+DP groups of an SPMD job), which issue the same calls at the same seq — show the
+expected value: when they do (most of their members agree, and some member of
+the tie used it), the members that differ from it alone are the culprits and the
+others are named in the text as waiting on them. Without analog evidence every
+rank of the tie is named.
+
+Worked example (DP groups {2,10}, {3,11}, ...; rank 2 all-reduces 2621440
+elements at DP #7 where rank 10 and every other DP group use 5242880)::
+
+    -> size_mismatch at #7 on {2,10}, culprit 2 (waiting: 10): "the analogous
+       groups used 5242880 elements at this seq, so rank(s) 2 deviated, not rank(s) 10"
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter, defaultdict
 
 import numpy as np
 
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.digest import EntryDetail
+from frforensics.analyzer.digest import (
+    SIZE_FROM_OUTPUT,
+    EntryDetail,
+    compared_dtypes,
+    compared_side,
+)
 from frforensics.analyzer.signatures import Field, Mismatch, units
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -51,11 +66,14 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
     deviants: list[int] = []
     if reference is not None and any(v == reference for v in m.raw.values()):
         deviants = [r for r, v in sorted(m.raw.items()) if v != reference]
-    if tie:
-        # The contract names every rank of a tie; analog evidence only orders
-        # them (most likely first).
-        culprits = deviants + sorted(r for rs in classes.values() for r in rs
-                                     if r not in deviants)
+    if tie and deviants:
+        # The analogous groups single out the deviants: they alone are the
+        # culprits; the members that agree with the analogs wait on them.
+        culprits = deviants
+        majority = sorted(r for r in values if r not in deviants)
+    elif tie:
+        # No analog evidence: the contract names every rank of a tie.
+        culprits = sorted(r for rs in classes.values() for r in rs)
         majority = []
     else:
         majority = classes[top_value]
@@ -67,7 +85,8 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
     if m.field == "dtype":
         for r, det in details.items():
             if det is not None:
-                values[r] = det.in_dtypes or values[r]
+                values[r] = compared_dtypes(det.op, det.in_dtypes, det.out_dtypes,
+                                            _side(det)) or values[r]
         classes = defaultdict(list)
         for rank, value in sorted(values.items()):
             classes[value].append(rank)
@@ -75,8 +94,11 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
             top_value = values[majority[0]]
     if m.field == "size":
         for r, det in details.items():
-            if det is not None and det.in_shapes:
-                values[r] = f"{values[r]} {det.in_shapes}"
+            shapes = None if det is None else (
+                det.out_shapes if _side(det) == 1 or det.op in SIZE_FROM_OUTPUT
+                else det.in_shapes)
+            if shapes:
+                values[r] = f"{values[r]} {shapes}"
     op = None
     for r in (majority or culprits):
         det = details.get(r)
@@ -94,13 +116,14 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
               sorted(classes.items(), key=lambda kv: -len(kv[1]))]
     who = ("rank " if len(culprits) == 1 else "ranks ") + ctx.ranks(culprits)
     msg = (f"{who} disagree{'s' if len(culprits) == 1 else ''} with "
-           f"{'an even split of' if tie else 'the other members on'} the {what} of collective "
+           f"{'an even split of' if tie and not deviants else 'the other members on'} the "
+           f"{what} of collective "
            f"#{m.seq} on {ctx.pg_label(m.gid)}: " + "; ".join(pieces))
     if m.later:
         msg += f" ({m.later} later collective(s) of the group disagree too)"
     if tie and deviants:
         msg += (f"; the analogous groups used {top_value} at this seq, so rank(s) "
-                f"{ctx.ranks(deviants)} most likely deviated")
+                f"{ctx.ranks(deviants)} deviated, not rank(s) {ctx.ranks(majority)}")
     evidence = {
         "values": {str(r): v for r, v in sorted(values.items())},
         "later_mismatches": m.later,
@@ -121,6 +144,25 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
         location=location,
         evidence=evidence,
     )
+
+
+_DIMS = re.compile(r"\[([\d, ]*)\]")
+
+
+def _numel(shapes: str) -> int:
+    """Elements of a shapes text such as ``[[4, 4], [2]]`` (0 where unreadable)."""
+    total = 0
+    if shapes.strip() in ("", "[]", "None"):
+        return 0  # no tensors
+    for dims in _DIMS.findall(shapes[:4096]):
+        total += math.prod(int(d) for d in dims.replace(" ", "").split(",") if d)
+    return total
+
+
+def _side(det: EntryDetail) -> int:
+    """``compared_side`` of a kept entry, sizes from its shapes text."""
+    return compared_side(det.op, det.in_dtypes, det.out_dtypes, _numel(det.in_shapes),
+                         _numel(det.out_shapes))
 
 
 def _value_at(ctx: Context, rank: int, gid: int, seq: int, field: Field) -> int | None:
