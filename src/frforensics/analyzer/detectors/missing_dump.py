@@ -33,6 +33,7 @@ in all_reduce #17 on default_pg, rank 2 never entered it)::
 from __future__ import annotations
 
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.detectors._cascade import cascade
 from frforensics.analyzer.detectors._roots import primary_wait, since
 from frforensics.analyzer.waits import Wait
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
@@ -56,9 +57,14 @@ def detect(ctx: Context) -> list[Finding]:
     # Ranks waited on in the same op are one finding (4 dumps of a 4096-rank job
     # made 4092 findings, each listing the default group's 4096 members)
     by_wait: dict[tuple[int, int, str, str], list[tuple[int, Wait, list[Wait], set[int]]]] = {}
+    c = cascade(ctx)
+    lost = {f.rank for f in c.roots if f.evidence == "no_dump"}
+    victims = set(c.desync_victims)
     for rank in named:
-        if rank in stale:
+        if rank in stale or rank in lost:
             continue  # dead_rank reports it
+        if rank in victims:
+            continue  # a consequence of the desync, never a culprit: said below
         root = ctx.graph.roots.get(rank)
         wait, direct = primary_wait(root) if root is not None else (None, [])
         if root is None or wait is None:
@@ -100,6 +106,18 @@ def detect(ctx: Context) -> list[Finding]:
                      "so the analysis is only incomplete"),
             culprit_ranks=(),
             evidence={"ranks": silent},
+        ))
+    if victims:
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.WARNING,
+            message=(f"no dump from rank(s) {ctx.ranks(sorted(victims))}, members of a group "
+                     "whose ranks disagreed at a collective (see the mismatch finding): gloo "
+                     "aborts a rank that receives data of another size (\"Received data size "
+                     "doesn't match expected size\", SIGABRT, no dump); a consequence of the "
+                     "desync, not a culprit"),
+            culprit_ranks=(),
+            evidence={"ranks": sorted(victims), "consequence_of": "desync"},
         ))
     if not listed or ctx.graph.unlisted is not None:
         findings.extend(_unlisted(ctx, {*named, *stale}))
