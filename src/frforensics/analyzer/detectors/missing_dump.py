@@ -32,10 +32,13 @@ in all_reduce #17 on default_pg, rank 2 never entered it)::
 
 from __future__ import annotations
 
+import numpy as np
+
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors._cascade import cascade
 from frforensics.analyzer.detectors._roots import primary_wait, since
 from frforensics.analyzer.waits import Wait
+from frforensics.model import OpState
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
 from frforensics.report import Finding, FindingKind, Severity, format_ranks
 
@@ -98,6 +101,34 @@ def detect(ctx: Context) -> list[Finding]:
             location=first.location,
             evidence={"direct_waiters": sorted({w.rank for w in direct})},
         ))
+    stop = _common_stop(ctx, silent) if silent else None
+    if stop is not None:
+        gid, seq, op, location, at = stop
+        stopped = [r for r in silent if r in at]
+        silent = [r for r in silent if r not in at]
+        others = sorted(ctx.job.digests)
+        where = f"{op} #{seq} on {ctx.pg_label(gid)}"
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.ERROR,
+            message=(f"rank(s) {ctx.ranks(stopped)} left no dump, and every rank that did "
+                     f"({ctx.ranks(others)}) stopped at the same unfinished {where}, of which "
+                     f"rank(s) {ctx.ranks(stopped)} are members: they most likely died or hung "
+                     "hard before or in it (a rank that dies hard writes nothing; PyTorch's "
+                     "gloo recorder records no death). How sure: every dumped member agrees "
+                     "on where the job stopped, so the hang is certain; that the missing "
+                     "rank caused it rests on its missing file — if its dump was only not "
+                     "collected, collect it and analyze again"),
+            culprit_ranks=tuple(stopped),
+            waiting_ranks=tuple(others),
+            pg=ctx.pg(gid),
+            seq=seq,
+            seq_kind="collective",
+            op=op,
+            location=location,
+            evidence={"basis": "missing_dump_at_common_stop", "confidence": "medium",
+                      "stopped_ranks": others, "missing": stopped},
+        ))
     if silent:
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
@@ -122,6 +153,49 @@ def detect(ctx: Context) -> list[Finding]:
     if not listed or ctx.graph.unlisted is not None:
         findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
+
+
+def _common_stop(ctx: Context, missing: list[int]
+                 ) -> tuple[int, int, str, str | None, set[int]] | None:
+    """Where every dumped rank stopped, when it is one unfinished collective that
+    some of ``missing`` belong to: ``(gid, seq, op, location, those missing ranks)``.
+
+    Each dumped rank's newest collective entry must be the same (group, seq), not
+    completed on any of them, and not younger than ``hang_after_s`` (a dump taken
+    mid-op); a job whose ranks all finished their last op (a healthy job with a file
+    not collected) never qualifies.
+    """
+    if len(ctx.job.digests) < 2 or not ctx.job.silent_listed or ctx.graph.young:
+        return None
+    stops: set[tuple[int, int]] = set()
+    first = None
+    for rank, d in ctx.job.digests.items():
+        rows = np.flatnonzero(d.is_p2p == 0)
+        if len(rows) == 0:
+            return None
+        row = int(rows[-1])
+        unit = d.unit_of(row)
+        if int(d.state[unit]) == OpState.COMPLETED:
+            return None
+        gid = ctx.job.group_of.get((rank, int(d.group[row])))
+        if gid is None:
+            return None
+        stops.add((gid, int(d.seq[row])))
+        if len(stops) > 1:
+            return None
+        if first is None:
+            first = (rank, row)
+    gid, seq = stops.pop()
+    group = ctx.job.groups[gid]
+    members = set(group.ranks)
+    default = group.desc == "default_pg" and ctx.job.world_size is not None
+    at = {r for r in missing if r in members or (default and r < (ctx.job.world_size or 0))}
+    if not at or first is None:
+        return None
+    d = ctx.job.digests[first[0]]
+    detail = d.detail(first[1])
+    op = d.op_names.get(int(d.op_hash[first[1]]), "?")
+    return gid, seq, op, None if detail is None else detail.location, at
 
 
 def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
