@@ -151,3 +151,40 @@ def test_a_rank_lost_after_a_desync_is_a_consequence_not_a_culprit(tmp_path):
     assert [f.kind for f in report.findings if f.culprit_ranks] == [FindingKind.SIZE_MISMATCH]
     victim = [f for f in report.findings if f.kind is FindingKind.MISSING_DUMP]
     assert victim and victim[0].evidence["consequence_of"] == "desync"
+
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_native_crash_dumps_name_the_missing_rank_as_the_candidate_not_a_culprit():
+    # PyTorch's own gloo dumps after rank 1 os._exit'ed (tests/data/native_crash):
+    # no death record, the failed op retired on some survivors only
+    report = analyze(load_dumps([DATA / "native_crash"], jobs=1),
+                     options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == ()
+    warn = [f for f in report.findings if f.kind is FindingKind.MISSING_DUMP]
+    assert warn and warn[0].severity is Severity.WARNING
+    assert warn[0].evidence["candidates"] == [1] and (warn[0].op, warn[0].seq) == ("all_reduce", 4)
+
+
+@pytest.mark.parametrize("drop", [0, 1, 2, 3])
+def test_a_healthy_native_job_with_one_file_not_collected_is_not_a_hang(tmp_path, drop):
+    import shutil
+
+    for src in (DATA / "native" / "healthy" / "pickle").iterdir():
+        if not src.name.endswith(f"_{drop}"):
+            shutil.copy(src, tmp_path / src.name)
+    report = analyze(load_dumps([tmp_path], jobs=1), options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == ()
+    assert not [f for f in report.findings if f.severity is Severity.ERROR]
+
+
+def test_a_missing_rank_where_every_dumped_rank_is_stuck_is_the_culprit_of_a_hang(tmp_path):
+    # every survivor stuck in the same unretired op (a rank frozen or hung hard: it
+    # writes nothing): the missing member is the culprit, error, with how sure
+    job = JobBuilder(world_size=4, dp=4, seed=3).steps(12).gloo_style().dead(rank=2, step=8)
+    job.build().write_native(tmp_path)
+    report = analyze(load_dumps([tmp_path], jobs=1), options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == (2,)
+    f = report.findings[0]
+    assert f.kind is FindingKind.MISSING_DUMP and f.severity is Severity.ERROR

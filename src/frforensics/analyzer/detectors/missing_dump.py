@@ -99,11 +99,34 @@ def detect(ctx: Context) -> list[Finding]:
             seq_kind=first.seq_kind,
             op=first.op,
             location=first.location,
-            evidence={"direct_waiters": sorted({w.rank for w in direct})},
+            # the dumps prove the others wait on it; why it left no file they cannot say
+            evidence={"direct_waiters": sorted({w.rank for w in direct}), "confidence": "high"},
         ))
     stop = _common_stop(ctx, silent) if silent else None
+    if stop is not None and not stop[5]:
+        # some ranks retired the op: a crash there, or a healthy job dumped mid-op
+        # whose file was not collected; the dumps cannot tell which
+        gid, seq, op, location, at, _ = stop
+        cands = sorted(at)
+        silent = [r for r in silent if r not in at]
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.WARNING,
+            message=(f"no dump from rank(s) {ctx.ranks(cands)}, members of {op} #{seq} on "
+                     f"{ctx.pg_label(gid)}, the newest op of every rank that dumped; it is "
+                     "still unfinished on some of them: rank(s) "
+                     f"{ctx.ranks(cands)} may have died there, but a healthy job dumped "
+                     "mid-op whose file was not collected looks the same (PyTorch's gloo "
+                     "recorder retires a failed op as it retires a completed one), so no "
+                     "culprit is named; check those ranks' hosts and logs"),
+            culprit_ranks=(),
+            pg=ctx.pg(gid), seq=seq, seq_kind="collective", op=op, location=location,
+            evidence={"basis": "missing_dump_at_common_stop", "confidence": "low",
+                      "candidates": cands},
+        ))
+        stop = None
     if stop is not None:
-        gid, seq, op, location, at = stop
+        gid, seq, op, location, at, _ = stop
         stopped = [r for r in silent if r in at]
         silent = [r for r in silent if r not in at]
         others = sorted(ctx.job.digests)
@@ -126,7 +149,7 @@ def detect(ctx: Context) -> list[Finding]:
             seq_kind="collective",
             op=op,
             location=location,
-            evidence={"basis": "missing_dump_at_common_stop", "confidence": "medium",
+            evidence={"basis": "missing_dump_at_common_stop", "confidence": "high",
                       "stopped_ranks": others, "missing": stopped},
         ))
     if silent:
@@ -156,35 +179,41 @@ def detect(ctx: Context) -> list[Finding]:
 
 
 def _common_stop(ctx: Context, missing: list[int]
-                 ) -> tuple[int, int, str, str | None, set[int]] | None:
+                 ) -> tuple[int, int, str, str | None, set[int], bool] | None:
     """Where every dumped rank stopped, when it is one unfinished collective that
     some of ``missing`` belong to: ``(gid, seq, op, location, those missing ranks)``.
 
-    Each dumped rank's newest collective entry must be the same (group, seq), not
-    completed on any of them, and not younger than ``hang_after_s`` (a dump taken
-    mid-op); a job whose ranks all finished their last op (a healthy job with a file
-    not collected) never qualifies.
+    Each dumped rank's newest collective entry must be the same (group, seq),
+    unfinished on at least one of them, and no rank may have ops younger than
+    ``hang_after_s``; the last item says whether it is unfinished on *every* dumped
+    rank (stuck: a hang) or only on some (PyTorch's gloo recorder retires an op that
+    failed as it retires one that completed: measured, a 4-rank job whose rank 1
+    ``os._exit``s before all_reduce #4 left ranks 0, 3 with #4 unretired and rank 2
+    with it retired — and a healthy job dumped mid-op shows the same, see
+    ``tests/data/native/healthy``). A job whose ranks all finished their last op (a
+    healthy job with a file not collected) never qualifies.
     """
     if len(ctx.job.digests) < 2 or not ctx.job.silent_listed or ctx.graph.young:
         return None
     stops: set[tuple[int, int]] = set()
     first = None
+    unfinished = 0
     for rank, d in ctx.job.digests.items():
         rows = np.flatnonzero(d.is_p2p == 0)
         if len(rows) == 0:
             return None
         row = int(rows[-1])
-        unit = d.unit_of(row)
-        if int(d.state[unit]) == OpState.COMPLETED:
-            return None
+        if int(d.state[d.unit_of(row)]) != OpState.COMPLETED:
+            unfinished += 1
+            first = (rank, row)
         gid = ctx.job.group_of.get((rank, int(d.group[row])))
         if gid is None:
             return None
         stops.add((gid, int(d.seq[row])))
         if len(stops) > 1:
             return None
-        if first is None:
-            first = (rank, row)
+    if not unfinished:
+        return None  # every rank finished its last op: nothing stopped there
     gid, seq = stops.pop()
     group = ctx.job.groups[gid]
     members = set(group.ranks)
@@ -195,7 +224,8 @@ def _common_stop(ctx: Context, missing: list[int]
     d = ctx.job.digests[first[0]]
     detail = d.detail(first[1])
     op = d.op_names.get(int(d.op_hash[first[1]]), "?")
-    return gid, seq, op, None if detail is None else detail.location, at
+    return (gid, seq, op, None if detail is None else detail.location, at,
+            unfinished == len(ctx.job.digests))
 
 
 def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
