@@ -98,3 +98,68 @@ def test_under_torchrun_a_raising_rank_is_the_culprit_not_its_peers(run_torchrun
     assert cons | set(dead["waiting_ranks"]) >= others, dead
     assert {a["rank"]: a["action"] for a in report["actions"]} == {1: "fix_code"}
     assert "train.py" in (dead["location"] or ""), dead
+
+
+NATIVE = """
+import signal
+c10d = torch._C._distributed_c10d
+lock = threading.Lock()
+done = []
+
+
+def dump():
+    with lock:
+        if done:
+            return
+        path = os.path.join(DUMP_DIR, f"nccl_trace_rank_{rank}")
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(c10d._dump_fr_trace())
+        os.replace(path + ".tmp", path)
+        done.append(1)
+
+
+t = torch.ones(4)
+dist.all_reduce(t)
+c10d._dump_fr_trace()
+threading.Timer(6.0, dump).start()
+try:
+    for step in range(1, 6):
+        if rank == 1 and step == 3:
+            {how}
+        dist.all_reduce(t)
+    time.sleep(10)
+except Exception:
+    dump()
+    time.sleep(0.5)
+    os._exit(1)
+time.sleep(10)
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("how", "outcomes"), [
+    # frozen: every survivor stays stuck in all_reduce #4, unretired
+    ("os.kill(os.getpid(), signal.SIGSTOP)", {("hang", (1,))}),
+    # dead: gloo fails the survivors at once; when it retired #4 on some of them
+    # before they dumped (as a healthy job dumped mid-op shows) rank 1 is only the
+    # candidate, when on none they are all stuck there: culprit 1. Which one is a
+    # race inside gloo; another rank is never named
+    ("os._exit(1)", {("degraded", ()), ("hang", (1,))}),
+])
+def test_with_pytorchs_own_dumps_the_missing_rank_is_named_only_when_the_others_are_stuck(
+        run_job, fr_analyze, how, outcomes):
+    job = run_job(NATIVE.format(how=how), world_size=4, enable=False, gloo_timeout_s=20.0,
+                  hard_exit_s=60.0, env={"TORCH_FR_BUFFER_SIZE": "2000"})
+    job.wait(60)
+    job.kill()
+    dumps = sorted(p.name for p in job.dump_dir.iterdir())
+    assert dumps == [f"nccl_trace_rank_{r}" for r in (0, 2, 3)], job.logs()
+    report = fr_analyze(job.dump_dir, "--world-size", "4")
+    got = (report["status"], tuple(report["culprit_ranks"]))
+    assert got in outcomes, report
+    md = [f for f in report["findings"] if f["kind"] == "missing_dump"]
+    assert md, report
+    if got[1]:
+        assert md[0]["severity"] == "error" and md[0]["op"] == "all_reduce"
+    else:
+        assert md[0]["evidence"]["candidates"] == [1], md[0]

@@ -6,7 +6,24 @@ without one that others wait on is an error (status hang, culprit that rank):
 it is the end of their wait chains and nothing more is known of it; the ranks
 waited on in the same op are one finding with all of them as culprits. One
 nobody waits on is a warning (status degraded): the analysis is merely incomplete.
-A rank whose peers saw its heartbeat stop is reported as ``dead_rank`` instead.
+A rank whose peers saw its heartbeat stop, or that ranks dying of a lost peer
+lost (``_cascade``), is reported as ``dead_rank`` instead; a member of a group
+that desynced is a consequence of the desync (a warning, never a culprit).
+
+Where every dumped rank stopped at one op: PyTorch's own gloo dumps record no
+death and never a state but ``scheduled`` (retirement only). A missing member of
+the collective that is every dumped rank's newest op, unfinished on *all* of them,
+is the culprit of a hang (error, ``evidence.confidence`` high: the others are
+stuck there); unfinished on only *some* of them is a warning naming it as the
+candidate without a culprit — gloo retires a failed op as it retires a completed
+one, so a crash there reads exactly like a healthy job dumped mid-op whose file was
+not collected (both measured: ``tests/data/native_crash``, ``tests/data/native/
+healthy`` minus one file).
+
+Worked example (PyTorch's gloo dumps; rank 1 ``os._exit``s before all_reduce #4)::
+
+    ranks 0,3: newest op all_reduce #4, unretired; rank 2: #4 retired; rank 1: no file
+    -> missing_dump, warning, no culprit, evidence.candidates [1]
 
 Worked example (4 ranks, rank 3's node rebooted, no dump)::
 
