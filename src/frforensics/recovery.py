@@ -48,6 +48,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from frforensics.errors import FrForensicsError
+from frforensics.failures import is_comm_failure, is_peer_loss
 
 __all__ = [
     "EXIT_EXCLUDED",
@@ -70,7 +71,6 @@ log = logging.getLogger("frforensics.recovery")
 #: Exit code of a process told it was excluded from the job.
 EXIT_EXCLUDED = 79
 _NS = "frforensics/recovery/"
-_PEER_LOSS = "Connection closed by peer"
 T = TypeVar("T")
 
 
@@ -302,11 +302,9 @@ def _is_comm_failure(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError):
         text = str(exc)
-        # The messages gloo's failed ops raise (measured, docs/recovery.md); a
+        # The messages failed ops raise (the one classifier, frforensics.failures); a
         # program's own RuntimeError is not a communication failure.
-        return any(s in text for s in (
-            "Timed out waiting", _PEER_LOSS, "Application timeout caused pair closure",
-            "Connection reset by peer", "Operation timed out!", "Broken pipe", "NCCL error"))
+        return is_comm_failure(text)
     return False
 
 
@@ -358,7 +356,7 @@ def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | N
     wait = getattr(recorder, "wait_verdict", None)
     if request is None or wait is None or not recorder.is_enabled():
         return None
-    if _PEER_LOSS in detail or "Connection reset" in detail or "Broken pipe" in detail:
+    if is_peer_loss(detail):
         # The op failed at once because a peer died: give the dead peer's heartbeat
         # time to go stale first, so the dumps the verdict reads name it (dead_rank)
         # rather than a rank merely missing (the recorder's excepthook does the same).

@@ -13,12 +13,13 @@ the action of the first finding that names it, findings in the report's order
   (PyTorch's gloo dumps): a clock running ahead shows the same, so ``inspect``.
 * ``fix_code`` — the program itself is wrong, and the same code on new hardware
   hangs again: ``op_mismatch``, ``size_mismatch``, ``dtype_mismatch``,
-  ``p2p_deadlock``, ``cross_pg_deadlock``, and a ``missing_rank`` whose main
+  ``p2p_deadlock``, ``cross_pg_deadlock``, a ``dead_rank`` that raised an
+  exception in the program's own code (the detail names its line), and a ``missing_rank`` whose main
   thread was in the user's own Python code at dump time (not inside a library
   call that could be waiting on the device).
 * ``inspect`` — anything else: a ``missing_rank`` blocked inside a library
-  call or without a stack, a ``dead_rank`` that died of an exception or exited,
-  a ``missing_dump``, a ``timeout`` where a member entered only after its peers
+  call or without a stack, a ``dead_rank`` that exited, ran out of memory, or
+  whose failure is unknown or tied with another root's, a ``missing_dump``, a ``timeout`` where a member entered only after its peers
   had given up.
 
 Worked example (4 ranks; rank 2 skipped one all_reduce and sleeps in
@@ -120,12 +121,7 @@ def action_for(ctx: Context, finding: Finding, rank: int) -> tuple[str, str]:
                                        "completed: the hang is below the framework (kernel, "
                                        "NCCL, network, device)")
     if kind is FindingKind.DEAD_RANK:
-        death = finding.evidence.get("death")
-        if death is None:
-            return "replace_gpu_or_host", ("died without an exception and left no dump (killed: "
-                                           "SIGKILL, the OOM killer, a lost node)")
-        what = death.get("kind") if isinstance(death, Mapping) else None
-        return "inspect", f"died of its own {what or 'death'}: read its dump's traceback"
+        return _dead_rank_action(finding)
     if kind is FindingKind.STRAGGLER:
         if finding.evidence.get("clocks") == "assumed_to_agree":
             return "inspect", ("persistently arrives last at collectives, judged from enqueue "
@@ -134,6 +130,47 @@ def action_for(ctx: Context, finding: Finding, rank: int) -> tuple[str, str]:
                                "would show the same; check that clock before replacing anything")
         return "replace_gpu_or_host", "persistently arrives last at collectives"
     return "inspect", f"{kind.value}: nothing more specific is known"
+
+
+# failures.py cause -> (action, detail) for the root of a crash cascade
+_BY_CAUSE = {
+    "hardware": ("replace_gpu_or_host", "its own hardware error ({what}): the device or host "
+                 "failed, not the program"),
+    "killed": ("replace_gpu_or_host", "killed without an exception ({what}: the OOM killer, "
+               "an operator, a lost node)"),
+    "crash": ("replace_gpu_or_host", "crashed in native code ({what})"),
+    "no_dump": ("replace_gpu_or_host", "died without an exception and left no dump (killed: "
+                "SIGKILL, the OOM killer, os._exit, a lost node)"),
+    "oom": ("inspect", "ran out of device memory ({what}): the batch, the model or a leak; "
+            "new hardware of the same size will not fix it"),
+    "exit": ("inspect", "exited with ops unfinished: read why the program left"),
+}
+
+
+def _dead_rank_action(finding: Finding) -> tuple[str, str]:
+    """The root of a crash cascade: the action follows its failure's class
+    (``frforensics.failures``; rule in docs/detectors.md, "Crash cascades")."""
+    ev = finding.evidence
+    if ev.get("tied"):
+        return "inspect", (f"failed of its own at the same time as rank(s) {ev['tied']}: "
+                           "which came first cannot be told; read both ranks' logs")
+    failure = ev.get("failure")
+    death = ev.get("death")
+    if not isinstance(failure, Mapping):  # a report from before the classifier
+        if death is None:
+            return "replace_gpu_or_host", ("died without an exception and left no dump "
+                                           "(killed: SIGKILL, the OOM killer, a lost node)")
+        return "inspect", "died: read its dump's traceback"
+    cause = str(failure.get("cause"))
+    what = failure.get("marker") or cause
+    if cause == "exception":
+        where = f" at {finding.location}" if finding.location else ""
+        return "fix_code", (f"raised an exception in the program's own code{where}: "
+                            f"{(death or {}).get('message', '')[:200]}")
+    if cause in _BY_CAUSE:
+        action, detail = _BY_CAUSE[cause]
+        return action, detail.format(what=what)
+    return "inspect", f"failed ({cause}): its failure could not be classified; read its logs"
 
 
 def derive_actions(ctx: Context, findings: Sequence[Finding], culprits: Sequence[int],

@@ -31,6 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from frforensics.failures import is_peer_loss
 from frforensics.model import DeathInfo, DumpReason
 from frforensics.recorder._config import RecorderConfig
 from frforensics.recorder._core import Recorder, frames_of_traceback
@@ -397,13 +398,9 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException,
     _prev_excepthook(exc_type, exc, tb)
 
 
-_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe",
-              "socket closed", "ncclremoteerror", "remote process exited")
-
-
 def _is_peer_loss(message: str) -> bool:
-    low = message.lower()
-    return any(marker in low for marker in _PEER_LOSS)
+    # the one classifier (frforensics.failures): gloo/NCCL's "peer lost" messages
+    return is_peer_loss(message)
 
 
 def _at_exit() -> None:

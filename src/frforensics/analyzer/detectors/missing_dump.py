@@ -6,7 +6,24 @@ without one that others wait on is an error (status hang, culprit that rank):
 it is the end of their wait chains and nothing more is known of it; the ranks
 waited on in the same op are one finding with all of them as culprits. One
 nobody waits on is a warning (status degraded): the analysis is merely incomplete.
-A rank whose peers saw its heartbeat stop is reported as ``dead_rank`` instead.
+A rank whose peers saw its heartbeat stop, or that ranks dying of a lost peer
+lost (``_cascade``), is reported as ``dead_rank`` instead; a member of a group
+that desynced is a consequence of the desync (a warning, never a culprit).
+
+Where every dumped rank stopped at one op: PyTorch's own gloo dumps record no
+death and never a state but ``scheduled`` (retirement only). A missing member of
+the collective that is every dumped rank's newest op, unfinished on *all* of them,
+is the culprit of a hang (error, ``evidence.confidence`` high: the others are
+stuck there); unfinished on only *some* of them is a warning naming it as the
+candidate without a culprit — gloo retires a failed op as it retires a completed
+one, so a crash there reads exactly like a healthy job dumped mid-op whose file was
+not collected (both measured: ``tests/data/native_crash``, ``tests/data/native/
+healthy`` minus one file).
+
+Worked example (PyTorch's gloo dumps; rank 1 ``os._exit``s before all_reduce #4)::
+
+    ranks 0,3: newest op all_reduce #4, unretired; rank 2: #4 retired; rank 1: no file
+    -> missing_dump, warning, no culprit, evidence.candidates [1]
 
 Worked example (4 ranks, rank 3's node rebooted, no dump)::
 
@@ -32,9 +49,13 @@ in all_reduce #17 on default_pg, rank 2 never entered it)::
 
 from __future__ import annotations
 
+import numpy as np
+
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.detectors._cascade import cascade
 from frforensics.analyzer.detectors._roots import primary_wait, since
 from frforensics.analyzer.waits import Wait
+from frforensics.model import OpState
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
 from frforensics.report import Finding, FindingKind, Severity, format_ranks
 
@@ -56,9 +77,14 @@ def detect(ctx: Context) -> list[Finding]:
     # Ranks waited on in the same op are one finding (4 dumps of a 4096-rank job
     # made 4092 findings, each listing the default group's 4096 members)
     by_wait: dict[tuple[int, int, str, str], list[tuple[int, Wait, list[Wait], set[int]]]] = {}
+    c = cascade(ctx)
+    lost = {f.rank for f in c.roots if f.evidence == "no_dump"}
+    victims = set(c.desync_victims)
     for rank in named:
-        if rank in stale:
+        if rank in stale or rank in lost:
             continue  # dead_rank reports it
+        if rank in victims:
+            continue  # a consequence of the desync, never a culprit: said below
         root = ctx.graph.roots.get(rank)
         wait, direct = primary_wait(root) if root is not None else (None, [])
         if root is None or wait is None:
@@ -90,7 +116,58 @@ def detect(ctx: Context) -> list[Finding]:
             seq_kind=first.seq_kind,
             op=first.op,
             location=first.location,
-            evidence={"direct_waiters": sorted({w.rank for w in direct})},
+            # the dumps prove the others wait on it; why it left no file they cannot say
+            evidence={"direct_waiters": sorted({w.rank for w in direct}), "confidence": "high"},
+        ))
+    stop = _common_stop(ctx, silent) if silent else None
+    if stop is not None and not stop[5]:
+        # some ranks retired the op: a crash there, or a healthy job dumped mid-op
+        # whose file was not collected; the dumps cannot tell which
+        gid, seq, op, location, at, _ = stop
+        cands = sorted(at)
+        silent = [r for r in silent if r not in at]
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.WARNING,
+            message=(f"no dump from rank(s) {ctx.ranks(cands)}, members of {op} #{seq} on "
+                     f"{ctx.pg_label(gid)}, the newest op of every rank that dumped; it is "
+                     "still unfinished on some of them: rank(s) "
+                     f"{ctx.ranks(cands)} may have died there, but a healthy job dumped "
+                     "mid-op whose file was not collected looks the same (PyTorch's gloo "
+                     "recorder retires a failed op as it retires a completed one), so no "
+                     "culprit is named; check those ranks' hosts and logs"),
+            culprit_ranks=(),
+            pg=ctx.pg(gid), seq=seq, seq_kind="collective", op=op, location=location,
+            evidence={"basis": "missing_dump_at_common_stop", "confidence": "low",
+                      "candidates": cands},
+        ))
+        stop = None
+    if stop is not None:
+        gid, seq, op, location, at, _ = stop
+        stopped = [r for r in silent if r in at]
+        silent = [r for r in silent if r not in at]
+        others = sorted(ctx.job.digests)
+        where = f"{op} #{seq} on {ctx.pg_label(gid)}"
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.ERROR,
+            message=(f"rank(s) {ctx.ranks(stopped)} left no dump, and every rank that did "
+                     f"({ctx.ranks(others)}) stopped at the same unfinished {where}, of which "
+                     f"rank(s) {ctx.ranks(stopped)} are members: they most likely died or hung "
+                     "hard before or in it (a rank that dies hard writes nothing; PyTorch's "
+                     "gloo recorder records no death). How sure: every dumped member agrees "
+                     "on where the job stopped, so the hang is certain; that the missing "
+                     "rank caused it rests on its missing file — if its dump was only not "
+                     "collected, collect it and analyze again"),
+            culprit_ranks=tuple(stopped),
+            waiting_ranks=tuple(others),
+            pg=ctx.pg(gid),
+            seq=seq,
+            seq_kind="collective",
+            op=op,
+            location=location,
+            evidence={"basis": "missing_dump_at_common_stop", "confidence": "high",
+                      "stopped_ranks": others, "missing": stopped},
         ))
     if silent:
         findings.append(Finding(
@@ -101,9 +178,71 @@ def detect(ctx: Context) -> list[Finding]:
             culprit_ranks=(),
             evidence={"ranks": silent},
         ))
+    if victims:
+        findings.append(Finding(
+            kind=FindingKind.MISSING_DUMP,
+            severity=Severity.WARNING,
+            message=(f"no dump from rank(s) {ctx.ranks(sorted(victims))}, members of a group "
+                     "whose ranks disagreed at a collective (see the mismatch finding): gloo "
+                     "aborts a rank that receives data of another size (\"Received data size "
+                     "doesn't match expected size\", SIGABRT, no dump); a consequence of the "
+                     "desync, not a culprit"),
+            culprit_ranks=(),
+            evidence={"ranks": sorted(victims), "consequence_of": "desync"},
+        ))
     if not listed or ctx.graph.unlisted is not None:
         findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
+
+
+def _common_stop(ctx: Context, missing: list[int]
+                 ) -> tuple[int, int, str, str | None, set[int], bool] | None:
+    """Where every dumped rank stopped, when it is one unfinished collective that
+    some of ``missing`` belong to: ``(gid, seq, op, location, those missing ranks)``.
+
+    Each dumped rank's newest collective entry must be the same (group, seq),
+    unfinished on at least one of them, and no rank may have ops younger than
+    ``hang_after_s``; the last item says whether it is unfinished on *every* dumped
+    rank (stuck: a hang) or only on some (PyTorch's gloo recorder retires an op that
+    failed as it retires one that completed: measured, a 4-rank job whose rank 1
+    ``os._exit``s before all_reduce #4 left ranks 0, 3 with #4 unretired and rank 2
+    with it retired — and a healthy job dumped mid-op shows the same, see
+    ``tests/data/native/healthy``). A job whose ranks all finished their last op (a
+    healthy job with a file not collected) never qualifies.
+    """
+    if len(ctx.job.digests) < 2 or not ctx.job.silent_listed or ctx.graph.young:
+        return None
+    stops: set[tuple[int, int]] = set()
+    first = None
+    unfinished = 0
+    for rank, d in ctx.job.digests.items():
+        rows = np.flatnonzero(d.is_p2p == 0)
+        if len(rows) == 0:
+            return None
+        row = int(rows[-1])
+        if int(d.state[d.unit_of(row)]) != OpState.COMPLETED:
+            unfinished += 1
+            first = (rank, row)
+        gid = ctx.job.group_of.get((rank, int(d.group[row])))
+        if gid is None:
+            return None
+        stops.add((gid, int(d.seq[row])))
+        if len(stops) > 1:
+            return None
+    if not unfinished:
+        return None  # every rank finished its last op: nothing stopped there
+    gid, seq = stops.pop()
+    group = ctx.job.groups[gid]
+    members = set(group.ranks)
+    default = group.desc == "default_pg" and ctx.job.world_size is not None
+    at = {r for r in missing if r in members or (default and r < (ctx.job.world_size or 0))}
+    if not at or first is None:
+        return None
+    d = ctx.job.digests[first[0]]
+    detail = d.detail(first[1])
+    op = d.op_names.get(int(d.op_hash[first[1]]), "?")
+    return (gid, seq, op, None if detail is None else detail.location, at,
+            unfinished == len(ctx.job.digests))
 
 
 def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
