@@ -20,11 +20,14 @@ class AnalyzeOptions:
     ``hang_after_s``: an unfinished op younger than this at dump time is taken as
     in flight, not hung (applies only where the dump time is known).
     ``world_size``: the job's size when the dumps do not say (native dumps).
+    ``straggler_min_cost``: the share of the job's time a rank's late arrivals
+    must cost before it is named a straggler (``detectors/straggler.py``).
     """
 
     world_size: int | None = None
     hang_after_s: float = 1.0
     max_findings_per_kind: int = 20
+    straggler_min_cost: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
