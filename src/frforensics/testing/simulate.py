@@ -291,7 +291,8 @@ _SCALES = 65521
 def _duration_scales(sigma: float, seed: int) -> list[float] | None:
     if sigma <= 0:
         return None
-    return np.exp(np.random.default_rng([seed, 29]).normal(0.0, sigma, _SCALES)).tolist()
+    out: list[float] = np.exp(np.random.default_rng([seed, 29]).normal(0.0, sigma, _SCALES)).tolist()
+    return out
 
 
 def _run_ahead(
