@@ -454,11 +454,11 @@ def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
     first = np.ones(len(key), dtype=np.bool_)
     if len(key) < 2:
         return first
-    # rows by group within the rank (a stable radix sort of the small numbers),
-    # rank after rank within a group: each group's rows of a rank follow each other
-    small = np.int8 if int(canon.max()) < 127 else np.int16 if int(canon.max()) < 32767 else None
-    if small is None:
-        return _first_of_each_by_group(at, canon, key)
+    # rows by group within the rank (a stable sort: a radix sort of the small
+    # numbers), rank after rank within a group: each group's rows of a rank follow
+    # each other
+    top = int(canon.max())
+    small = np.int8 if top < 127 else np.int16 if top < 32767 else np.int64
     idx = np.argsort(canon.astype(small), kind="stable")
     k, a, c = key[idx], at[idx], canon[idx]
     same = (a[1:] == a[:-1]) & (c[1:] == c[:-1])
@@ -468,22 +468,6 @@ def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
         # a (rank, group) whose keys ever decrease: deduplicated with a sort
         for bad, j in sorted(set(zip(a[1:][dec].tolist(), c[1:][dec].tolist(), strict=True))):
             mine = idx[(a == bad) & (c == j)]
-            first[mine] = _first_occurrence(key[mine])
-    return first
-
-
-def _first_of_each_by_group(at: I8, canon: I8, key: I8) -> BOOL:
-    """:func:`_first_of_each` one group number at a time (the reference)."""
-    first = np.ones(len(key), dtype=np.bool_)
-    for j in np.unique(canon).tolist():
-        idx = np.flatnonzero(canon == j)  # group j of every rank, rank after rank
-        if len(idx) < 2:
-            continue
-        k, a = key[idx], at[idx]
-        same_rank = a[1:] == a[:-1]
-        first[idx[1:]] = ~same_rank | (k[1:] != k[:-1])
-        for bad in np.unique(a[1:][same_rank & (k[1:] < k[:-1])]).tolist():
-            mine = idx[a == bad]
             first[mine] = _first_occurrence(key[mine])
     return first
 
