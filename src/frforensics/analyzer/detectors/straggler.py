@@ -71,6 +71,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.digest import RankDigest
+from frforensics.analyzer.merge import RECV_HASH, SEND_HASH
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -227,6 +228,8 @@ class _Rows:
     between: F8 | None = None
     #: how many ops (units) that sum covers
     n_between: F8 | None = None
+    #: matched send/recv pairs (``_p2p_pairs``), judged on the completion basis
+    p2p: dict[str, Any] | None = None
 
     @property
     def n_seg(self) -> int:
@@ -355,6 +358,44 @@ class _Gathered:
         self.op_names: dict[int, str] = {}
         for a in self.at_list:
             self.op_names.update(digests[a].op_names)
+        self.p2p = _p2p_pairs(np.asarray(ranks, dtype=np.int64), at, gid, cat("is_p2p"),
+                              cat("peer"), cat("peer_seq"), cat("op_hash"), t_enqueue, comp, rel,
+                              done)
+        if self.p2p is not None:
+            for d in digests:
+                self.op_names.update({h: n for h, n in d.op_names.items()
+                                      if h in (SEND_HASH, RECV_HASH)})
+
+
+def _p2p_pairs(ranks: I8, at: I8, gid: I8, is_p2p: IX, peer: IX, peer_seq: IX, op: IX,
+               t_enqueue: I8, comp: F8, rel: F8, done: BOOL) -> dict[str, Any] | None:
+    """Matched send/recv pairs among the windows' entries, for the completion basis
+    (module doc, "Send/recv"): the k-th send from A to B on a group with the k-th
+    recv at B from A, both completed — by the per-peer numbers of frforensics'
+    dumps (``peer_seq``; PyTorch's own dumps carry none, and its gloo recorder no
+    send/recv at all). ``None`` when there is no pair."""
+    is_send = op == SEND_HASH
+    rows = np.flatnonzero((is_p2p == 1) & (gid >= 0) & (t_enqueue > 0) & done & (peer >= 0)
+                          & (peer_seq > 0) & (is_send | (op == RECV_HASH)))
+    if len(rows) < 2:
+        return None
+    me = ranks[at[rows]]
+    other = peer[rows].astype(np.int64)
+    send = is_send[rows]
+    src, dst = np.where(send, me, other), np.where(send, other, me)
+    cols = np.stack([gid[rows].astype(np.int64), src, dst, peer_seq[rows].astype(np.int64)])
+    _, pair, counts = np.unique(cols, axis=1, return_inverse=True, return_counts=True)
+    pair = pair.reshape(-1)
+    sends = np.bincount(pair, weights=send.astype(np.float64), minlength=len(counts))
+    good = (counts == 2) & (sends == 1)  # one send and its recv, each recorded once
+    keep = good[pair]
+    if not keep.any():
+        return None
+    rows, pair = rows[keep], pair[keep]
+    dense = np.cumsum(good) - 1
+    return {"at": at[rows], "gid": gid[rows].astype(np.int32), "pair": dense[pair],
+            "n_pairs": int(good.sum()), "enq": t_enqueue[rows].astype(np.float64),
+            "comp": comp[rows], "rel": rel[rows], "op": op[rows]}
 
 
 def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, gid: I8,
@@ -522,7 +563,31 @@ def _collect(ctx: Context) -> _Rows | None:
         op=cat["op"][keep], seg_size=seg_size,
         by_seg=by_seg, op_names=op_names, resolution_ns=resolution,
         dur=cat["dur"][keep], between=cat["between"][keep], n_between=cat["n_between"][keep],
+        p2p=g.p2p,
     )
+
+
+def _with_p2p(t: _Rows) -> _Rows:
+    """``t`` with its matched send/recv pairs as two-member collectives (module doc,
+    "Send/recv"): rows appended after the collectives' (so only for the completion
+    basis, which never needs rows in rank order)."""
+    q = t.p2p
+    if q is None:
+        return t
+    n = len(q["at"])
+    seg = np.concatenate([t.seg, t.n_seg + q["pair"]])
+    n_seg = t.n_seg + int(q["n_pairs"])
+    nan = np.full(n, np.nan)
+    return replace(
+        t, pos=np.concatenate([t.pos, q["at"].astype(t.pos.dtype)]),
+        gid=np.concatenate([t.gid, q["gid"].astype(t.gid.dtype)]), seg=seg,
+        enq=np.concatenate([t.enq, q["enq"]]), comp=np.concatenate([t.comp, q["comp"]]),
+        rel=np.concatenate([t.rel, q["rel"]]), op=np.concatenate([t.op, q["op"].astype(t.op.dtype)]),
+        seg_size=np.bincount(seg, minlength=n_seg), by_seg=_Layout.sorted_by(seg, n_seg),
+        dur=None if t.dur is None else np.concatenate([t.dur, nan]),
+        between=None if t.between is None else np.concatenate([t.between, nan]),
+        n_between=None if t.n_between is None else np.concatenate([t.n_between, nan]),
+        p2p=None)
 
 
 def _offsets(t: _Rows, base: F8) -> F8:
@@ -724,6 +789,10 @@ def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
         # nothing about when the rank's GPU reached it; without completion times
         # there is nothing to judge arrivals by
         return [], []
+    if from_completions:
+        base, base_comp = t, has_comp
+        t = _with_p2p(t)
+        has_comp = t.seg_has_comp()
     a, think = _lateness_think(t, from_completions, has_comp, offset)
     blame = _blame(t, a, lambda: _excess(t, think), _floor(t), min_cost)
     if from_completions:
@@ -732,7 +801,8 @@ def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
         notes = _noise_notes(ctx, t, blame, a)
         if len(blame.flagged) == 0:
             return [], notes
-        offset = _completion_offsets(t, has_comp)  # only reported: estimated once needed
+        # only reported: estimated once needed, from the collectives
+        offset = _completion_offsets(base, base_comp)
         return _findings(ctx, _table(t, True, a, blame.excess, offset), blame, a), notes
     assert offset is not None
     notes = [] if blame is None else _noise_notes(ctx, t, blame, a)
