@@ -29,8 +29,8 @@ from frforensics._gc import gc_paused
 from frforensics.analyzer import AnalyzeOptions
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors.straggler import (
+    _first_occurrence,
     _first_of_each,
-    _first_of_each_by_group,
     _release,
 )
 from frforensics.analyzer.detectors.timeout import _late_entries, _late_finding
@@ -298,12 +298,29 @@ def test_digests_pickle_back_equal_with_writable_columns(protocol: int) -> None:
                 assert v.flags.writeable and v.flags.aligned, f.name
 
 
-def test_straggler_first_of_each_agrees_with_the_group_by_group_form() -> None:
+def _first_of_each_by_group(at: np.ndarray, canon: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """``straggler._first_of_each`` one group number at a time (the reference)."""
+    first = np.ones(len(key), dtype=np.bool_)
+    for j in np.unique(canon).tolist():
+        idx = np.flatnonzero(canon == j)  # group j of every rank, rank after rank
+        if len(idx) < 2:
+            continue
+        k, a = key[idx], at[idx]
+        same_rank = a[1:] == a[:-1]
+        first[idx[1:]] = ~same_rank | (k[1:] != k[:-1])
+        for bad in np.unique(a[1:][same_rank & (k[1:] < k[:-1])]).tolist():
+            mine = idx[a == bad]
+            first[mine] = _first_occurrence(key[mine])
+    return first
+
+
+@pytest.mark.parametrize("groups", [4, 40_000], ids=["few-groups", "more-than-int16-groups"])
+def test_straggler_first_of_each_agrees_with_the_group_by_group_form(groups: int) -> None:
     rng = np.random.default_rng(7)
     for trial in range(200):
         n = int(rng.integers(0, 60))
         at = np.sort(rng.integers(0, 5, n)).astype(np.int64)
-        canon = rng.integers(0, 4, n).astype(np.int64)
+        canon = rng.integers(0, 4, n).astype(np.int64) * (groups // 4)
         # keys mostly rising per (rank, group), repeated (coalesced), sometimes falling
         key = (canon * 1000 + np.cumsum(rng.integers(0, 2, n))).astype(np.int64)
         if trial % 3 == 0 and n:

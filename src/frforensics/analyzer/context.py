@@ -23,12 +23,15 @@ class AnalyzeOptions:
     ``timeline_ranks``: the most ranks a drawn timeline shows; a job of more than
     8 times as many loaded ranks gets timelines of those ranks only
     (:func:`frforensics.report.timeline_ranks` chooses them, as the HTML report does).
+    ``straggler_min_cost``: the share of the job's time a rank's late arrivals
+    must cost before it is named a straggler (``detectors/straggler.py``).
     """
 
     world_size: int | None = None
     hang_after_s: float = 1.0
     max_findings_per_kind: int = 20
     timeline_ranks: int = TIMELINE_RANKS
+    straggler_min_cost: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)

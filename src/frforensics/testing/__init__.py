@@ -8,7 +8,7 @@ scenario states by construction. See docs/builder.md.
 
 from __future__ import annotations
 
-from frforensics.testing.builder import Fault, JobBuilder
+from frforensics.testing.builder import Fault, JobBuilder, Noise
 from frforensics.testing.dumps import JobDumps, RankRecords
 from frforensics.testing.expected import Expected, ExpectedGroup
 from frforensics.testing.layout import GroupSpec, Layout
@@ -22,6 +22,7 @@ __all__ = [
     "JobBuilder",
     "JobDumps",
     "Layout",
+    "Noise",
     "RankRecords",
     "ScheduleConfig",
 ]

@@ -43,7 +43,7 @@ from frforensics.testing.simulate import SimResult, simulate
 if TYPE_CHECKING:
     from frforensics.testing.dumps import JobDumps
 
-__all__ = ["Fault", "JobBuilder"]
+__all__ = ["Fault", "JobBuilder", "Noise"]
 
 _KIND_INDEX = {k: i for i, k in enumerate(GROUP_KINDS)}
 _MISMATCH_KINDS = ("op_mismatch", "size_mismatch", "dtype_mismatch")
@@ -65,6 +65,29 @@ class Fault:
     after: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Noise:
+    """Everyday noise of a healthy job (``JobBuilder.noise``), each kind from what is
+    measured on real clusters (docs/builder.md, "Noise"):
+
+    * ``spiky_ranks`` ranks (drawn from the seed) are late by ``spike_ms`` (uniform)
+      before ``spike_rate`` of their ops, at random: OS noise (a daemon, a page
+      fault storm, Python's GC) delays one process now and then, never the same op
+      of every step;
+    * every collective's and p2p op's duration is scaled by ``exp(N(0,
+      duration_sigma))``, the same on all members (a collective ends together):
+      network contention makes the same all-reduce take 5-20 % longer or shorter;
+    * each host (``host_size`` ranks) has its clock off by ``uniform(-ntp_ms,
+      ntp_ms)``: NTP (chrony) keeps hosts of one LAN within about a millisecond.
+    """
+
+    spiky_ranks: int = 3
+    spike_rate: float = 0.05
+    spike_ms: tuple[float, float] = (2.0, 5.0)
+    duration_sigma: float = 0.1
+    ntp_ms: float = 1.0
+
+
 @dataclass
 class _Plan:
     """Programs and bookkeeping handed from the builder to the simulation."""
@@ -82,6 +105,8 @@ class _Plan:
     # per stage: instruction-id counts of the steps not simulated (NCCL mode counters)
     prefix_instrs: list[Counter[int]] = field(default_factory=list)
     delay_from: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # straggler(every="random"): rank -> (first delayed instr, largest delay in ms)
+    random_delay: dict[int, tuple[int, float]] = field(default_factory=dict)
     dead: dict[int, bool] = field(default_factory=dict)  # rank -> leaves a dump
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> where
 
@@ -118,6 +143,7 @@ class JobBuilder:
         self._faults: list[Fault] = []
         self._offsets: dict[int, float] = {}
         self._jitter_ms = 0.0
+        self._noise: Noise | None = None
         self._cfg = ScheduleConfig()
         self._barrier = True
         self._timeout_ms = 600_000
@@ -219,6 +245,14 @@ class JobBuilder:
     def jitter(self, *, ms: float) -> JobBuilder:
         """Random extra delay (|normal(0, ms)|) before each op of each rank."""
         self._jitter_ms = float(ms)
+        return self
+
+    def noise(self, noise: Noise | None = None, **changes: float) -> JobBuilder:
+        """Everyday noise that must never change a verdict (:class:`Noise`): rare
+        per-op spikes on a few ranks, jittery op durations, host clocks apart
+        within NTP bounds. ``changes`` override :class:`Noise`'s fields."""
+        base = noise or Noise()
+        self._noise = replace(base, **changes) if changes else base  # type: ignore[arg-type]
         return self
 
     # ---------------------------------------------------------------- faults
@@ -324,13 +358,16 @@ class JobBuilder:
         return self._fault(Fault("order_inversion", rs, step, groups=tuple(groups)))
 
     def straggler(
-        self, *, rank: int, delay_ms: float, from_step: int = 0, every: Literal["op", "step"] = "op"
+        self, *, rank: int, delay_ms: float, from_step: int = 0,
+        every: Literal["op", "step", "random"] = "op",
     ) -> JobBuilder:
         """``rank`` enters every op (or the first op of every step) ``delay_ms`` late
         from ``from_step`` on (no hang). In NCCL mode the delay is the CPU's: those ops
-        are enqueued late, not just started late."""
-        if every not in ("op", "step"):
-            raise ValueError("every must be 'op' or 'step'")
+        are enqueued late, not just started late. ``every="random"``: late by a fresh
+        ``uniform(0, delay_ms)`` before every op (a throttled GPU or a busy host:
+        small delays that add up)."""
+        if every not in ("op", "step", "random"):
+            raise ValueError("every must be 'op', 'step' or 'random'")
         return self._fault(Fault("straggler", (rank,), from_step, delay_ms=float(delay_ms),
                                  where=every))
 
@@ -363,6 +400,28 @@ class JobBuilder:
             ]
         else:
             jitter = [[0.0] * len(p) for p in plan.programs]
+        for r, (i0, ms) in plan.random_delay.items():
+            drng = np.random.default_rng([self.seed, 31, r])
+            extra = drng.uniform(0.0, ms, len(jitter[r]))
+            extra[:i0] = 0.0
+            jitter[r] = (np.asarray(jitter[r]) + extra).tolist()
+        noise = self._noise
+        offsets = [self._offsets.get(r, 0.0) for r in range(lay.world_size)]
+        duration_sigma = 0.0
+        if noise is not None:
+            # its own stream: noise on or off leaves every other draw of the seed alone
+            nrng = np.random.default_rng([self.seed, 23])
+            spiky = nrng.choice(lay.world_size, min(noise.spiky_ranks, lay.world_size), replace=False)
+            for r in spiky.tolist():
+                n = len(jitter[r])
+                hit = nrng.random(n) < noise.spike_rate
+                extra = nrng.uniform(noise.spike_ms[0], noise.spike_ms[1], n)
+                jitter[r] = (np.asarray(jitter[r]) + np.where(hit, extra, 0.0)).tolist()
+            hosts = (lay.world_size + self._host_size - 1) // self._host_size
+            host_off = nrng.uniform(-noise.ntp_ms, noise.ntp_ms, hosts)
+            offsets = [o if r in self._offsets else o + float(host_off[r // self._host_size])
+                       for r, o in enumerate(offsets)]
+            duration_sigma = noise.duration_sigma
         start_counts = np.zeros((lay.world_size, len(GROUP_KINDS)), dtype=np.int64)
         stage_counts = [self._kind_counts(plan, c) for c in plan.prefix]
         for r in range(lay.world_size):
@@ -383,6 +442,8 @@ class JobBuilder:
             kernel_hung=plan.kernel_hung,
             delayed=plan.delayed,
             run_ahead=run_ahead,
+            duration_sigma=duration_sigma,
+            noise_seed=self.seed,
         )
         self.run_ahead = run_ahead
         self._cat = plan.cat
@@ -403,7 +464,7 @@ class JobBuilder:
             sim=sim,
             expected=expected,
             dump_ms=dump_ms,
-            offsets_ms=np.array([self._offsets.get(r, 0.0) for r in range(lay.world_size)]),
+            offsets_ms=np.array(offsets),
             seed=self.seed,
         )
 
@@ -521,6 +582,9 @@ class JobBuilder:
         if f.kind == "straggler":
             k = max(0, f.step - plan.first_step)
             starts = plan.step_starts[r]
+            if f.where == "random":  # drawn in build(), added to the jitter
+                plan.random_delay[r] = (starts[min(k, len(starts) - 1)], f.delay_ms)
+                return
             plan.delay_from[r] = (starts[min(k, len(starts) - 1)], f.delay_ms)
             if f.where == "step":
                 plan.delayed[r] = set(starts[min(k, len(starts) - 1):-1])

@@ -82,6 +82,8 @@ def simulate(
     kernel_hung: set[tuple[int, int]] | None = None,
     delayed: dict[int, set[int]] | None = None,
     run_ahead: list[int] | None = None,
+    duration_sigma: float = 0.0,
+    noise_seed: int = 0,
 ) -> SimResult:
     """Run ``programs`` (instruction ids per rank) to the end or to a standstill.
 
@@ -91,7 +93,9 @@ def simulate(
     delays every instruction ``>= i0`` (only those in ``delayed[r]``, if given); ``hung`` holds ``(rank, instr index)``
     whose op never starts on that rank; ``kernel_hung`` holds ``(rank, instr
     index)`` whose kernel starts and never finishes while its peers complete;
-    ``run_ahead[r]`` (NCCL mode) is rank ``r``'s CPU run-ahead depth (>= 1).
+    ``run_ahead[r]`` (NCCL mode) is rank ``r``'s CPU run-ahead depth (>= 1);
+    ``duration_sigma`` scales each op's duration by ``exp(N(0, sigma))``, drawn per
+    collective (group, seq) and per p2p pair, the same on every member.
     """
     # Millions of small tuples and lists: the cyclic GC would rescan them all on
     # every collection (quadratic); nothing here makes reference cycles.
@@ -100,7 +104,8 @@ def simulate(
     try:
         sim = _simulate(layout, cat, programs, start_ms=start_ms, start_counts=start_counts,
                         jitter=jitter, delay_from=delay_from, hung=hung,
-                        kernel_hung=kernel_hung or set(), delayed=delayed)
+                        kernel_hung=kernel_hung or set(), delayed=delayed,
+                        scale=_duration_scales(duration_sigma, noise_seed))
         if run_ahead is not None:
             _run_ahead(sim, cat, programs, start_ms=start_ms, depth=run_ahead, delay_from=delay_from,
                        delayed=delayed)
@@ -122,6 +127,7 @@ def _simulate(
     hung: set[tuple[int, int]],
     kernel_hung: set[tuple[int, int]],
     delayed: dict[int, set[int]] | None,
+    scale: list[float] | None = None,
 ) -> SimResult:
     """The simulation proper (see :func:`simulate`)."""
     ws = layout.world_size
@@ -198,7 +204,8 @@ def _simulate(
                 sig = isig_of[prog[i]]
                 ok = all(isig_of[programs[m][mi_]] == sig for m, _, _, mi_ in members)
                 if ok and not any((m, mi_) in hung for m, _, _, mi_ in members):
-                    tc = max(x[2] for x in members) + max(dur_of[o] for o in ins.ops)
+                    tc = max(x[2] for x in members) + max(dur_of[o] for o in ins.ops) * (
+                        1.0 if scale is None else scale[(gid * 7919 + key[1]) % _SCALES])
                     if tc > last_event:
                         last_event = tc
                     stalled = []
@@ -242,7 +249,11 @@ def _simulate(
                 else:
                     recvs.setdefault(ch, deque()).append(me)
                     continue
-            tc = max(t, other[2]) + dur_of[sid]
+            f = 1.0
+            if scale is not None:  # keyed by the sending rank and its op index
+                src_at = (r, base + j) if send_of[sid] else (other[0], other[1])
+                f = scale[(src_at[0] * 104729 + src_at[1]) % _SCALES]
+            tc = max(t, other[2]) + dur_of[sid] * f
             if tc > last_event:
                 last_event = tc
             comp[r][base + j] = tc
@@ -270,6 +281,18 @@ def _simulate(
         pending_p2p=pending_p2p,
         last_event_ms=last_event,
     )
+
+
+#: Distinct duration scales (drawn once per job; each op picks one by a hash of
+#: where it is, so the scale never depends on the order ranks are simulated in).
+_SCALES = 65521
+
+
+def _duration_scales(sigma: float, seed: int) -> list[float] | None:
+    if sigma <= 0:
+        return None
+    out: list[float] = np.exp(np.random.default_rng([seed, 29]).normal(0.0, sigma, _SCALES)).tolist()
+    return out
 
 
 def _run_ahead(

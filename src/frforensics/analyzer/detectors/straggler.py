@@ -71,6 +71,7 @@ import numpy.typing as npt
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.digest import RankDigest
+from frforensics.analyzer.merge import RECV_HASH, SEND_HASH
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -94,6 +95,15 @@ MAX_ENQUEUE_ONLY: Final = 1
 #: this late (median): NTP keeps hosts on one LAN within about a millisecond of each
 #: other, and ranks on one host share its clock.
 SAME_CLOCK_MIN_NS: Final = 10_000_000
+#: Significance (module doc): a rank is named only when its lateness costs the job
+#: at least this share of its time (``AnalyzeOptions.straggler_min_cost``) ...
+DEFAULT_MIN_COST: Final = 0.05
+#: ... and is sustained: late on at least this share of a group's collectives, or
+MOST: Final = 0.5
+#: late at a regular stride (this share of the gaps between its late collectives of
+#: a group within 25 % of their median) at least ``MIN_RECURRING`` times.
+MOST_REGULAR: Final = 0.75
+MIN_RECURRING: Final = 5
 
 F8 = npt.NDArray[np.float64]
 I8 = npt.NDArray[np.int64]
@@ -218,6 +228,8 @@ class _Rows:
     between: F8 | None = None
     #: how many ops (units) that sum covers
     n_between: F8 | None = None
+    #: matched send/recv pairs (``_p2p_pairs``), judged on the completion basis
+    p2p: dict[str, Any] | None = None
 
     @property
     def n_seg(self) -> int:
@@ -346,6 +358,44 @@ class _Gathered:
         self.op_names: dict[int, str] = {}
         for a in self.at_list:
             self.op_names.update(digests[a].op_names)
+        self.p2p = _p2p_pairs(np.asarray(ranks, dtype=np.int64), at, gid, cat("is_p2p"),
+                              cat("peer"), cat("peer_seq"), cat("op_hash"), t_enqueue, comp, rel,
+                              done)
+        if self.p2p is not None:
+            for d in digests:
+                self.op_names.update({h: n for h, n in d.op_names.items()
+                                      if h in (SEND_HASH, RECV_HASH)})
+
+
+def _p2p_pairs(ranks: I8, at: I8, gid: I8, is_p2p: IX, peer: IX, peer_seq: IX, op: IX,
+               t_enqueue: I8, comp: F8, rel: F8, done: BOOL) -> dict[str, Any] | None:
+    """Matched send/recv pairs among the windows' entries, for the completion basis
+    (module doc, "Send/recv"): the k-th send from A to B on a group with the k-th
+    recv at B from A, both completed — by the per-peer numbers of frforensics'
+    dumps (``peer_seq``; PyTorch's own dumps carry none, and its gloo recorder no
+    send/recv at all). ``None`` when there is no pair."""
+    is_send = op == SEND_HASH
+    rows = np.flatnonzero((is_p2p == 1) & (gid >= 0) & (t_enqueue > 0) & done & (peer >= 0)
+                          & (peer_seq > 0) & (is_send | (op == RECV_HASH)))
+    if len(rows) < 2:
+        return None
+    me = ranks[at[rows]]
+    other = peer[rows].astype(np.int64)
+    send = is_send[rows]
+    src, dst = np.where(send, me, other), np.where(send, other, me)
+    cols = np.stack([gid[rows].astype(np.int64), src, dst, peer_seq[rows].astype(np.int64)])
+    _, pair, counts = np.unique(cols, axis=1, return_inverse=True, return_counts=True)
+    pair = pair.reshape(-1)
+    sends = np.bincount(pair, weights=send.astype(np.float64), minlength=len(counts))
+    good = (counts == 2) & (sends == 1)  # one send and its recv, each recorded once
+    keep = good[pair]
+    if not keep.any():
+        return None
+    rows, pair = rows[keep], pair[keep]
+    dense = np.cumsum(good) - 1
+    return {"at": at[rows], "gid": gid[rows].astype(np.int32), "pair": dense[pair],
+            "n_pairs": int(good.sum()), "enq": t_enqueue[rows].astype(np.float64),
+            "comp": comp[rows], "rel": rel[rows], "op": op[rows]}
 
 
 def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, gid: I8,
@@ -445,11 +495,11 @@ def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
     first = np.ones(len(key), dtype=np.bool_)
     if len(key) < 2:
         return first
-    # rows by group within the rank (a stable radix sort of the small numbers),
-    # rank after rank within a group: each group's rows of a rank follow each other
-    small = np.int8 if int(canon.max()) < 127 else np.int16 if int(canon.max()) < 32767 else None
-    if small is None:
-        return _first_of_each_by_group(at, canon, key)
+    # rows by group within the rank (a stable sort: a radix sort of the small
+    # numbers), rank after rank within a group: each group's rows of a rank follow
+    # each other
+    top = int(canon.max())
+    small = np.int8 if top < 127 else np.int16 if top < 32767 else np.int64
     idx = np.argsort(canon.astype(small), kind="stable")
     k, a, c = key[idx], at[idx], canon[idx]
     same = (a[1:] == a[:-1]) & (c[1:] == c[:-1])
@@ -459,22 +509,6 @@ def _first_of_each(at: I8, canon: I8, key: I8) -> BOOL:
         # a (rank, group) whose keys ever decrease: deduplicated with a sort
         for bad, j in sorted(set(zip(a[1:][dec].tolist(), c[1:][dec].tolist(), strict=True))):
             mine = idx[(a == bad) & (c == j)]
-            first[mine] = _first_occurrence(key[mine])
-    return first
-
-
-def _first_of_each_by_group(at: I8, canon: I8, key: I8) -> BOOL:
-    """:func:`_first_of_each` one group number at a time (the reference)."""
-    first = np.ones(len(key), dtype=np.bool_)
-    for j in np.unique(canon).tolist():
-        idx = np.flatnonzero(canon == j)  # group j of every rank, rank after rank
-        if len(idx) < 2:
-            continue
-        k, a = key[idx], at[idx]
-        same_rank = a[1:] == a[:-1]
-        first[idx[1:]] = ~same_rank | (k[1:] != k[:-1])
-        for bad in np.unique(a[1:][same_rank & (k[1:] < k[:-1])]).tolist():
-            mine = idx[a == bad]
             first[mine] = _first_occurrence(key[mine])
     return first
 
@@ -529,7 +563,31 @@ def _collect(ctx: Context) -> _Rows | None:
         op=cat["op"][keep], seg_size=seg_size,
         by_seg=by_seg, op_names=op_names, resolution_ns=resolution,
         dur=cat["dur"][keep], between=cat["between"][keep], n_between=cat["n_between"][keep],
+        p2p=g.p2p,
     )
+
+
+def _with_p2p(t: _Rows) -> _Rows:
+    """``t`` with its matched send/recv pairs as two-member collectives (module doc,
+    "Send/recv"): rows appended after the collectives' (so only for the completion
+    basis, which never needs rows in rank order)."""
+    q = t.p2p
+    if q is None:
+        return t
+    n = len(q["at"])
+    seg = np.concatenate([t.seg, t.n_seg + q["pair"]])
+    n_seg = t.n_seg + int(q["n_pairs"])
+    nan = np.full(n, np.nan)
+    return replace(
+        t, pos=np.concatenate([t.pos, q["at"].astype(t.pos.dtype)]),
+        gid=np.concatenate([t.gid, q["gid"].astype(t.gid.dtype)]), seg=seg,
+        enq=np.concatenate([t.enq, q["enq"]]), comp=np.concatenate([t.comp, q["comp"]]),
+        rel=np.concatenate([t.rel, q["rel"]]), op=np.concatenate([t.op, q["op"].astype(t.op.dtype)]),
+        seg_size=np.bincount(seg, minlength=n_seg), by_seg=_Layout.sorted_by(seg, n_seg),
+        dur=None if t.dur is None else np.concatenate([t.dur, nan]),
+        between=None if t.between is None else np.concatenate([t.between, nan]),
+        n_between=None if t.n_between is None else np.concatenate([t.n_between, nan]),
+        p2p=None)
 
 
 def _offsets(t: _Rows, base: F8) -> F8:
@@ -627,6 +685,15 @@ class _Blame:
     count: npt.NDArray[Any]  # blamed collectives per rank position
     total: npt.NDArray[Any]  # judged collectives per rank position
     flagged: I8  # rank positions that are stragglers
+    #: per rank position: the share of its window's time its late arrivals cost
+    #: (NaN where not computed), and how its lateness is sustained ("most",
+    #: "recurring" or "" for neither)
+    cost: F8
+    sustained: dict[int, str]
+    #: rank positions late often enough to stand out, but not significant
+    #: (rare spikes, or too cheap): noise, named only in a note
+    noise: I8
+    min_cost: float
 
 
 def _floor(t: _Rows) -> float:
@@ -635,9 +702,11 @@ def _floor(t: _Rows) -> float:
     return max(FLOOR_NS, 3.0 * t.resolution_ns)
 
 
-def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float) -> _Blame | None:
+def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
+           min_cost: float = DEFAULT_MIN_COST) -> _Blame | None:
     """The straggler rule on lateness ``a`` and excess think time ``excess()`` (module
-    doc), for arrivals and GPU durations alike; ``None`` when no rank is flagged."""
+    doc), for arrivals and GPU durations alike; ``None`` when no rank stands out
+    at all (noise that stands out is in ``noise``, with ``flagged`` empty)."""
     # the threshold is never below ``floor``: a rank that is not even late by that much
     # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here (and
     # ``excess`` is never computed)
@@ -654,18 +723,64 @@ def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float) -> _Blame | 
     total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
     count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
     typical = float(np.median(count))
-    flagged = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
-                             & (count > 4 * typical + 2))
-    if len(flagged) == 0:
+    standing = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
+                              & (count > 4 * typical + 2))
+    if len(standing) == 0:
         return None
-    return _Blame(e, threshold, blamed, (a > threshold) & ~blamed, count, total, flagged)
+    cost = np.full(n_ranks, np.nan)
+    sustained: dict[int, str] = {}
+    for p in standing.tolist():
+        cost[p], sustained[p] = _significance(t, a, e, blamed, p)
+    keep = np.asarray([bool(sustained[p]) and cost[p] >= min_cost for p in standing.tolist()])
+    return _Blame(e, threshold, blamed, (a > threshold) & ~blamed, count, total, standing[keep],
+                  cost, sustained, standing[~keep], min_cost)
+
+
+def _significance(t: _Rows, a: F8, e: F8, blamed: BOOL, p: int) -> tuple[float, str]:
+    """Whether rank position ``p``'s lateness matters (module doc, "Significance"):
+    the share of its window's time its late arrivals cost, and how the lateness
+    is sustained: ``"most"`` (late on most of the collectives of a group it
+    shares, from its first late one on), ``"recurring"`` (late at the same point of most steps: its late
+    collectives of a group recur at a regular stride) or ``""`` (neither)."""
+    mine = np.flatnonzero(t.pos == p)
+    judged = mine[~np.isnan(e[mine])]
+    hit = blamed[judged]
+    # what the job lost to it: per late collective, the smaller of how late it came
+    # and how much longer it thought than its peers (both are the delay it caused)
+    lost = float(np.minimum(a[judged][hit], e[judged][hit]).clip(min=0).sum())
+    times = t.enq[mine]
+    span = float(np.nanmax(times) - np.nanmin(times)) if len(times) > 1 else 0.0
+    cost = lost / span if span > 0 else 0.0
+    how = ""
+    gids = t.gid[judged]
+    for g in np.unique(gids[hit]).tolist():
+        in_g = gids == g
+        n_judged, late = int(in_g.sum()), np.flatnonzero(hit[in_g])
+        if len(late) < MIN_BLAMED:
+            continue
+        # since its first late one: a rank that turned slow within the window is
+        # late on most of what followed
+        if len(late) >= MOST * (n_judged - int(late[0])):
+            return cost, "most"
+        gaps = np.diff(late)
+        if len(gaps) >= MIN_RECURRING - 1:
+            d = float(np.median(gaps))
+            if d >= 2 and np.mean(np.abs(gaps - d) <= max(1.0, d / 4)) >= MOST_REGULAR:
+                how = "recurring"
+    return cost, how
 
 
 def detect(ctx: Context) -> list[Finding]:
-    """One warning per rank that consistently arrives last."""
+    """One warning per rank that consistently arrives last, at a cost that matters."""
+    return _judge(ctx)[0]
+
+
+def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
+    """The findings, and the notes on ranks that stood out without mattering."""
     t = _collect(ctx)
     if t is None:
-        return []
+        return [], []
+    min_cost = ctx.options.straggler_min_cost
     if ctx.job.gpu_states and _has_durations(t):
         return _detect_from_durations(ctx, t)
     from_completions, has_comp, offset = _basis(t)
@@ -673,34 +788,65 @@ def detect(ctx: Context) -> list[Finding]:
         # NCCL: the CPU runs ahead of the GPU, so when an op was enqueued says
         # nothing about when the rank's GPU reached it; without completion times
         # there is nothing to judge arrivals by
-        return []
+        return [], []
+    if from_completions:
+        base, base_comp = t, has_comp
+        t = _with_p2p(t)
+        has_comp = t.seg_has_comp()
     a, think = _lateness_think(t, from_completions, has_comp, offset)
-    blame = _blame(t, a, lambda: _excess(t, think), _floor(t))
+    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), min_cost)
     if from_completions:
         if blame is None:
-            return []
-        offset = _completion_offsets(t, has_comp)  # only reported: estimated once needed
-        return _findings(ctx, _table(t, True, a, blame.excess, offset), blame, a)
+            return [], []
+        notes = _noise_notes(ctx, t, blame, a)
+        if len(blame.flagged) == 0:
+            return [], notes
+        # only reported: estimated once needed, from the collectives
+        offset = _completion_offsets(base, base_comp)
+        return _findings(ctx, _table(t, True, a, blame.excess, offset), blame, a), notes
     assert offset is not None
-    if blame is not None and len(blame.flagged) <= MAX_ENQUEUE_ONLY:
-        return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a)
+    notes = [] if blame is None else _noise_notes(ctx, t, blame, a)
+    if blame is not None and 0 < len(blame.flagged) <= MAX_ENQUEUE_ONLY:
+        return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a), notes
     same = _same_clock(ctx, t, has_comp, offset)
     if same is not None:
-        return same
-    if blame is None:
-        return []
+        return same, notes
+    if blame is None or len(blame.flagged) == 0:
+        return [], notes
     # more candidates than enqueue times can tell apart: one warning naming none
-    return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a)
+    return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a), notes
+
+
+def _noise_notes(ctx: Context, t: _Rows, blame: _Blame, a: F8) -> list[str]:
+    """One note on the slowest rank that stood out without mattering (rare spikes,
+    or lateness too cheap to name): no culprit, no action."""
+    if len(blame.noise) == 0 or len(blame.flagged):
+        return []
+    p = max(blame.noise.tolist(), key=lambda q: float(blame.cost[q]))
+    mine = (t.pos == p) & blame.blamed
+    why = ("not sustained: late on few of its collectives, at no regular point of its steps"
+           if not blame.sustained.get(p) else
+           f"below the {blame.min_cost:.0%} that names a straggler")
+    return [f"straggler: slowest rank {int(t.ranks[p])}: late in {int(blame.count[p])} of "
+            f"{int(blame.total[p])} collectives by {_ms(float(np.median(a[mine])))} (median), "
+            f"costing the job ~{_pct(float(blame.cost[p]))} of its time; {why}, so it is "
+            "read as noise (no culprit, no action)"]
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:.0f} %" if share >= 0.01 else f"{share * 100:.1f} %"
 
 
 def unjudged(ctx: Context) -> list[str]:
-    """A report note when the dumps cannot show a straggler at all: NCCL dumps
+    """The report's straggler notes when there is no straggler finding: NCCL dumps
     (GPU states) without GPU durations, where enqueue times are the CPU's and
-    completion times the watchdog's discovery times (module doc)."""
+    completion times the watchdog's discovery times (module doc), or the slowest
+    rank that stood out without mattering (noise)."""
     digests = [d for d in ctx.job.digests.values() if len(d)]
+    noise = _judge(ctx)[1]
     if not ctx.job.gpu_states or not digests or any(d.duration_ns is not None for d in digests):
-        return []
-    return ["straggler: these NCCL dumps carry no GPU durations (PyTorch records duration_ms "
+        return noise
+    return [*noise, "straggler: these NCCL dumps carry no GPU durations (PyTorch records duration_ms "
             "only with TORCH_NCCL_ENABLE_TIMING=1); without them enqueue times are the CPU's, "
             "which runs ahead of the GPU, and completion times the watchdog's ~100 ms polls, so "
             "a rank that arrives late by less than that cannot be seen"]
@@ -713,8 +859,8 @@ def _same_clock(ctx: Context, t: _Rows, has_comp: BOOL, offset: F8) -> list[Find
     none."""
     zero = np.zeros(len(t.ranks))
     a, think = _lateness_think(t, False, has_comp, zero)
-    blame = _blame(t, a, lambda: _excess(t, think), _floor(t))
-    if blame is None:
+    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), ctx.options.straggler_min_cost)
+    if blame is None or len(blame.flagged) == 0:
         return None
     keep = [p for p in blame.flagged.tolist()
             if float(np.median(a[(t.pos == p) & blame.blamed])) >= SAME_CLOCK_MIN_NS]
@@ -771,7 +917,7 @@ def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
         if others:
             msg += (f"; rank(s) {ctx.ranks(others)} also arrive late elsewhere only because they "
                     "waited for it")
-        msg += f". Judged from {basis}"
+        msg += _cost_txt(rank, blame, p) + f". Judged from {basis}"
         alternative = None
         if same_clock:
             alternative = round(float(table.offset_ns[p]) / 1e6, 3)
@@ -783,19 +929,34 @@ def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
             lat=lat, exc=exc, by_group=by_group, threshold=threshold, others=others,
             basis="completion" if table.from_completions else "enqueue",
             clock_offsets_ms={str(r): v for r, v in offsets.items()},
-            clock_alternative_ms=alternative))
+            clock_alternative_ms=alternative,
+            cost=(float(blame.cost[p]), blame.sustained[p], blame.min_cost)))
     return findings[: ctx.options.max_findings_per_kind]
+
+
+def _cost_txt(rank: int, blame: _Blame, p: int) -> str:
+    """The significance sentence of a straggler's message."""
+    how = ("late on most of the collectives it shares" if blame.sustained[p] == "most"
+           else "late at the same point of most steps")
+    return (f"; rank {rank} costs the job ~{_pct(float(blame.cost[p]))} of its time ({how}; "
+            f"a straggler is named from {_pct(blame.min_cost)})")
 
 
 def _finding(ctx: Context, rank: int, msg: str, gid: int, op: str | None, *, late_in: int,
              collectives: int, median: float, p95: float, lat: F8, exc: F8,
              by_group: Counter[int], threshold: float, others: list[int], basis: str,
+             cost: tuple[float, str, float],
              clock_offsets_ms: dict[str, Any] | None = None,
              clock_alternative_ms: float | None = None) -> Finding:
-    """The straggler finding for ``rank`` (both bases: arrivals and GPU durations)."""
+    """The straggler finding for ``rank`` (both bases: arrivals and GPU durations);
+    ``cost``: the share of the job's time it costs, how its lateness is sustained
+    and the least share that names a straggler."""
     evidence: dict[str, Any] = {
         "late_in": late_in,
         "collectives": collectives,
+        "cost_share": round(cost[0], 4),
+        "min_cost_share": cost[2],
+        "sustained": cost[1],
         "lateness_ms": {"median": round(median / 1e6, 3), "p95": round(p95 / 1e6, 3),
                         "max": round(float(lat.max()) / 1e6, 3)},
         "excess_think_ms": round(float(np.median(exc)) / 1e6, 3),
@@ -856,12 +1017,13 @@ def _duration_lateness(t: _Rows) -> tuple[F8, F8]:
     return lateness, t.by_seg.median(v, upper=True)[t.seg] - v
 
 
-def _detect_from_durations(ctx: Context, t: _Rows) -> list[Finding]:
+def _detect_from_durations(ctx: Context, t: _Rows) -> tuple[list[Finding], list[str]]:
     """The straggler rule on NCCL dumps with GPU durations (module doc)."""
     a, e = _duration_lateness(t)
-    blame = _blame(t, a, lambda: e, float(FLOOR_NS))
+    blame = _blame(t, a, lambda: e, float(FLOOR_NS), ctx.options.straggler_min_cost)
     if blame is None:
-        return []
+        return [], []
+    notes = _noise_notes(ctx, t, blame, a)
     flagged, blamed, count, total = blame.flagged, blame.blamed, blame.count, blame.total
     threshold = blame.threshold
     victims = _victims(t.ranks, t.pos, blame)
@@ -887,13 +1049,14 @@ def _detect_from_durations(ctx: Context, t: _Rows) -> list[Finding]:
         if others:
             msg += (f"; rank(s) {ctx.ranks(others)} also arrive late elsewhere only because they "
                     "waited for it")
-        msg += ". Judged from the GPU durations of the ops (duration_ms, timing on)"
+        msg += (_cost_txt(rank, blame, p)
+                + ". Judged from the GPU durations of the ops (duration_ms, timing on)")
         findings.append(_finding(
             ctx, rank, msg, top_gid, t.op_names.get(int(top_op)),
             late_in=int(count[p]), collectives=int(total[p]), median=median, p95=p95,
             lat=lat, exc=exc, by_group=by_group, threshold=threshold, others=others,
-            basis="duration"))
-    return findings[: ctx.options.max_findings_per_kind]
+            basis="duration", cost=(float(blame.cost[p]), blame.sustained[p], blame.min_cost)))
+    return findings[: ctx.options.max_findings_per_kind], notes
 
 
 def _unattributed(ctx: Context, table: ArrivalTable, order: list[int], count: npt.NDArray[Any],
