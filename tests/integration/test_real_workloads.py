@@ -1,0 +1,77 @@
+"""The real-workload corpus as tests: real training programs, a planted fault, the verdict.
+
+Each case runs one of scripts/workloads/ (DDP, FSDP2, DTensor tensor parallel, a 2-D
+("dp", "tp") mesh, a ``Schedule1F1B`` pipeline) under ``torchrun --standalone`` with
+gloo on CPU and the recorder on, with one fault planted on rank 1 (docs/workloads.md).
+Its dumps are analyzed twice — the recorder's own (``ours``) and PyTorch's flight
+recorder saved beside them (``native``) — and each verdict must name exactly the
+planted rank with an action the fault allows (a healthy job: exit 0, no culprit; no
+trace in the dumps: an abstention). The job runs once per case, for both sources.
+
+The core set (``run_corpus.CI_CASES``, marked ``torch215``) runs in both CI stages;
+the rest is marked ``corpus``, deselected by default (``-m corpus`` runs it: about a
+minute per case on 2 loaded cores). Cases wrong today are ``xfail(strict=True)`` with
+the cause, so they flip when it is fixed.
+Run: ``pytest tests/integration/test_real_workloads.py`` (core), ``-m corpus`` (the rest).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_RUNNER = Path(__file__).resolve().parents[2] / "scripts" / "workloads" / "run_corpus.py"
+_spec = importlib.util.spec_from_file_location("frf_run_corpus", _RUNNER)
+assert _spec is not None and _spec.loader is not None
+corpus: Any = importlib.util.module_from_spec(_spec)
+sys.modules["frf_run_corpus"] = corpus
+_spec.loader.exec_module(corpus)
+
+#: Verdicts wrong today, with the cause (from the findings of a real run). Keyed by
+#: (workload, fault, source); strict: a fix makes them fail until removed here.
+WRONG_TODAY: dict[tuple[str, str, str], str] = {}
+
+
+def _params() -> list[Any]:
+    ci = {(w, f) for w, f in corpus.CI_CASES}
+    out = []
+    for case in corpus.cases("all"):
+        for source in corpus.SOURCES:
+            marks: list[Any] = [pytest.mark.slow]
+            # the core set runs in both CI stages; the rest only when asked (-m corpus)
+            marks.append(pytest.mark.torch215 if (case.workload, case.fault) in ci
+                         else pytest.mark.corpus)
+            why = WRONG_TODAY.get((case.workload, case.fault, source))
+            if why:
+                marks.append(pytest.mark.xfail(strict=True, reason=why))
+            out.append(pytest.param(case, source, marks=marks, id=f"{case.id}-{source}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def job_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each case's job, run once for both dump sources."""
+    return {}
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("case", "source"), _params())
+def test_verdict_names_the_planted_rank(case: Any, source: str, job_runs: dict[str, Any],
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    if case.id not in job_runs:
+        out = tmp_path_factory.mktemp(case.id)
+        run = corpus.run_case(case, sys.executable, out, checkout=False)
+        job_runs[case.id] = (run, corpus.split_sources(run.dump_dir, out / case.id))
+    run, sets = job_runs[case.id]
+    dumps = sorted(p.name for p in sets[source].iterdir())
+    rc, report, err = corpus.analyze(sets[source], corpus.BY_NAME[case.workload].nproc)
+    j = corpus.judge(case, source, rc, report, err)
+    assert j.right, (
+        f"{case.id} ({source}): {j.why}; status {j.status}, exit {j.rc}, culprits {j.culprits}, "
+        f"actions {j.actions}, findings {j.kinds}; headline: {j.headline[:300]}; "
+        f"dumps {dumps}; job exit {run.returncode} after {run.wall_s:.0f} s; log tail: "
+        f"{run.log[-800:]}")
