@@ -17,3 +17,17 @@ def analyze_dumps(dumps: JobDumps, fmt: Literal["frdump", "pickle", "json"] = "f
     analyzed in memory with the job's world size."""
     return analyze(DumpSet.from_traces(dumps.traces(fmt)),
                    options=AnalyzeOptions(world_size=dumps.world_size, **options))
+
+
+def torch_line() -> str:
+    """The installed torch's release line (``"2.13"``, ``"2.15"``), from its package
+    metadata (torch is not imported). Tests whose expectations differ by line take it
+    as a parameter, so the test id says which branch ran (``[torch-2.13]``)."""
+    from importlib.metadata import version
+
+    return ".".join(version("torch").split(".")[:2])
+
+
+#: whether the line has the new c10d APIs (``Backend._ensure_backend_registered``,
+#: ``FlightRecorderHook``): 2.15 does, 2.13 does not; other lines are not in CI
+NEW_C10D_API = {"2.13": False, "2.15": True}

@@ -57,12 +57,14 @@ def _run_capped(tmp_path: Path, cases: dict[str, list[str]]) -> dict[str, dict[s
     return out
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_claimed_world_size_costs_per_rank_seen(tmp_path: Path) -> None:
     folder = _claiming(tmp_path, "d", DEFAULT_LIMITS.max_rank)
     run = _run_capped(tmp_path, {"claimed": [str(folder), "--format", "json"]})["claimed"]
     assert run["exit"] in (0, 1, 2), (run["exit"], run["stderr"][-500:])
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_claimed_world_of_2_20_costs_what_its_four_dumps_cost(tmp_path: Path) -> None:
     claimed = _claiming(tmp_path, "claimed", DEFAULT_LIMITS.max_rank)
     plain = _claiming(tmp_path, "plain", None)
@@ -126,6 +128,7 @@ def test_just_past_the_listing_bound_the_silent_ranks_become_one_finding() -> No
 
 @pytest.mark.parametrize(("desc", "world_size"), [("default_pg", DEFAULT_LIMITS.max_rank),
                                                    ("tp", 4)])
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_group_listing_2_20_members_is_held_as_ranges(desc: str, world_size: int,
                                                      tmp_path: Path) -> None:
     # frdump writes an arithmetic member list as three numbers: a 4 KB dump can

@@ -21,6 +21,9 @@ from typing import Any
 import hostile_corpus
 import pytest
 
+# a forked, capped fr-analyze per hostile case: minutes of CPU (slow lane)
+pytestmark = pytest.mark.slow
+
 ADDRESS_SPACE = int(1.5 * (1 << 30))
 TIMEOUT_S = 30
 RUNNER = Path(__file__).with_name("fork_runner.py")

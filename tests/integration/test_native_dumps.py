@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+# one fr-analyze process per recorded scenario and format (slow lane)
+pytestmark = pytest.mark.slow
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "native"
 SCENARIOS = sorted(p.name for p in DATA.iterdir() if (p / "expected.json").exists())
 

@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from helpers import NEW_C10D_API, torch_line
+
 pytestmark = [pytest.mark.slow, pytest.mark.torch215]
 
 
@@ -99,8 +101,10 @@ dist.destroy_process_group()
 
 
 @pytest.mark.timeout(180)
-def test_inner_backend_is_what_the_registered_creator_returns():
+@pytest.mark.parametrize("line", [torch_line()], ids=lambda v: f"torch-{v}")
+def test_inner_backend_is_what_the_registered_creator_returns(line):
     res = _result(_run(LOOKALIKE.replace("PORT", str(free_port()))))
+    assert res["registry"] == NEW_C10D_API.get(line, res["registry"]), line
     assert res["wrapped"] == "RecordingProcessGroup"
     assert res["inner_is_lookalike"] is True
     assert res["ops"] == 2 and res["result"] == [1.0] * 4
@@ -128,10 +132,12 @@ print("RESULT " + json.dumps(out))
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("line", [torch_line()], ids=lambda v: f"torch-{v}")
 @pytest.mark.parametrize("use_nccl2", [None, "0"])
-def test_nccl_names_resolve_to_the_creator_torch_registered(use_nccl2):
+def test_nccl_names_resolve_to_the_creator_torch_registered(use_nccl2, line):
     env = {} if use_nccl2 is None else {"TORCH_DIST_USE_NCCL2": use_nccl2}
     res = _result(_run(NCCL_CREATORS, env=env))
+    assert res["registry"] == NEW_C10D_API.get(line, res["registry"]), line
     if not res["registry"]:
         # 2.13: gloo and nccl are built from their classes, as 2.13's helper does;
         # the 2.15-only names are not backends there.

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+from helpers import NEW_C10D_API, torch_line
+
 pytestmark = [pytest.mark.slow, pytest.mark.torch215]
 
 JOB = r"""
@@ -93,8 +95,10 @@ def _run(mode: str) -> dict[str, object]:
 
 
 @pytest.mark.timeout(240)
-def test_native_recorders_see_each_op_once_as_without_the_recorder():
+@pytest.mark.parametrize("line", [torch_line()], ids=lambda v: f"torch-{v}")
+def test_native_recorders_see_each_op_once_as_without_the_recorder(line):
     plain, ours = _run("off"), _run("on")
+    assert plain["hook_api"] == NEW_C10D_API.get(line, plain["hook_api"]), line
     # What torch records natively is the same with and without us: no op lost, none twice.
     assert ours["native"] == plain["native"], (plain, ours)
     assert ours["hooked_groups"] == ["RecordingProcessGroup"] * len(plain["hooked_groups"])

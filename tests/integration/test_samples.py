@@ -17,6 +17,10 @@ from typing import Any
 
 import pytest
 
+# one fr-analyze process per sample and check (slow lane); the fast loop checks every
+# sample's report byte for byte in one process (test_sample_reports.py)
+pytestmark = pytest.mark.slow
+
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_dumps"
 KINDS = sorted(p.name for p in SAMPLES.iterdir() if (p / "expected.json").exists()) \
     if SAMPLES.exists() else []

@@ -148,6 +148,7 @@ def _column_views(t: RankTrace) -> dict[str, list[object]]:
     }
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 @pytest.mark.parametrize("fmt", ["pickle", "json"])
 def test_native_docs_decode_into_the_same_columns_as_traces(fmt: str) -> None:
     d = job().steps(24).jitter(ms=0.3).stuck(rank=21, step=22).build()
@@ -192,6 +193,7 @@ def test_frdump_files_round_trip(tmp_path: Path) -> None:
     assert (other.entries.seq == d.trace(0).entries.seq).all()
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
     one = job(seed=3).steps(6).jitter(ms=1).build()
     two = job(seed=3).steps(6).jitter(ms=1).build()
@@ -272,6 +274,7 @@ def test_hang_in_op_is_a_timeout_with_the_culprit_scheduled() -> None:
         assert t.dump_time_ns - t.entries.t_enqueue_ns[pending[0]] > 30_000 * 1_000_000
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 @pytest.mark.parametrize("leaves_dump", [False, True])
 def test_dead_rank_leaves_no_dump_or_a_dump_with_death_info(leaves_dump: bool) -> None:
     d = job().steps(12).dead(rank=9, step=10, leaves_dump=leaves_dump).build()

@@ -17,6 +17,7 @@ def fr(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_default_command_and_explicit_analyze_agree() -> None:
     a = fr(str(DATA / "missing_rank" / "pickle"), "--format", "json")
     b = fr("analyze", "--format", "json", str(DATA / "missing_rank" / "pickle"))
@@ -67,6 +68,7 @@ def test_usage_errors_exit_two_without_traceback(args: list[str]) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_convert_then_analyze_gives_the_same_verdict(tmp_path: Path) -> None:
     proc = fr("convert", str(DATA / "missing_rank" / "pickle"), str(tmp_path / "out"))
     assert proc.returncode == 0, proc.stderr
@@ -81,6 +83,7 @@ def test_convert_of_nothing_exits_two(tmp_path: Path) -> None:
     assert fr("convert", str(tmp_path / "in"), str(tmp_path / "out")).returncode == 2
 
 
+@pytest.mark.slow  # seconds of CPU: the slow lane
 def test_window_cuts_the_rings_and_keeps_the_verdict() -> None:
     whole = json.loads(fr(str(DATA / "missing_rank" / "pickle"), "-f", "json").stdout)
     assert whole == json.loads(fr(str(DATA / "missing_rank" / "pickle"), "-f", "json",
