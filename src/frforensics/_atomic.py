@@ -6,7 +6,9 @@ path lists, reports, timelines) goes through :func:`write_atomic` (or
 
 * a reader never sees half a file (the data is flushed and fsynced, then
   ``os.replace`` puts it in place in one step);
-* nothing is ever written *through* a link: the temp file is created by
+* a character device named as the target (``-o /dev/null``, ``/dev/stdout``) is
+  written into, never replaced; a FIFO or socket there is refused (it could block);
+* nothing is ever written *through* a link to a file: the temp file is created by
   ``tempfile.mkstemp`` (``O_CREAT|O_EXCL``, a random name: a planted link there
   makes the create fail, it is never followed) in the target's own folder, and
   ``os.replace`` replaces a link planted at the target by the file, never the
@@ -58,6 +60,13 @@ def atomic_file(path: str | os.PathLike[str], *, binary: bool = False, mode: int
     try:
         if make_parents:
             target.parent.mkdir(parents=True, exist_ok=True)
+        device = _device(target)
+        if device is not None:  # /dev/null, /dev/stdout, /dev/full: written into, never replaced
+            dev: IO[Any] = os.fdopen(device, "wb") if binary else os.fdopen(
+                device, "w", encoding="utf-8")
+            with dev:
+                yield dev
+            return
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         os.fchmod(fd, mode)
         fh: IO[Any] = os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8")
@@ -75,6 +84,21 @@ def atomic_file(path: str | os.PathLike[str], *, binary: bool = False, mode: int
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _device(target: Path) -> int | None:
+    """A descriptor open for writing on ``target`` when it is a character device (through
+    a link too: ``-o /dev/stdout``), ``None`` for anything to be created or replaced;
+    :class:`WriteError` for a FIFO or socket (writing one can block forever)."""
+    try:
+        st = os.stat(target)
+    except OSError:
+        return None
+    if stat.S_ISCHR(st.st_mode):
+        return os.open(target, os.O_WRONLY)
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        raise WriteError(target, OSError("a FIFO or socket is there, not a file"))
+    return None
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,

@@ -165,16 +165,18 @@ def _lzma_bomb(size: int) -> bytes:
     return wire._MAGIC + wire._LZMA + b"".join(out) + c.flush()
 
 
-def payloads(good: list[RankDigest]) -> dict[str, bytes]:
-    """Every hostile payload, built from a real payload of ``good``."""
+def payloads(good: list[RankDigest], *, bombs: bool = True) -> dict[str, bytes]:
+    """Every hostile payload, built from a real payload of ``good`` (the bombs take
+    seconds to build: ``bombs=False`` leaves them out)."""
     base = wire.encode_batch(good)
     out = {}
     for name, edit in EDITS.items():
         doc, digests = _unpack(base)
         edit(doc, digests)
         out[name] = _pack(doc, digests)
-    out["zlib_bomb_1mb"] = _zlib_bomb(1 << 30)  # 1 MiB that inflates to 1 GiB
-    out["lzma_bomb_39kb"] = _lzma_bomb(1 << 28)  # ~40 KB that inflates to 256 MiB
+    if bombs:
+        out["zlib_bomb_1mb"] = _zlib_bomb(1 << 30)  # 1 MiB that inflates to 1 GiB
+        out["lzma_bomb_39kb"] = _lzma_bomb(1 << 28)  # ~40 KB that inflates to 256 MiB
     out["truncated_zlib"] = base[: len(base) // 2]
     out["not_a_payload"] = b"\x80\x04garbage"
     return out

@@ -166,7 +166,8 @@ time.sleep(100)
     assert all(v == verdict for v in learned.values()), learned
     assert verdict["elected_rank"] == 0
     # every peer's dump lies in a directory the elected rank does not read
-    assert verdict["inputs"] == {"files": [0], "digests": [1, 2, 3], "none": []}, verdict
+    assert verdict["inputs"] == {"files": [0], "digests": [1, 2, 3], "none": [],
+                                 "skipped": []}, verdict
     assert verdict["culprit_ranks"] == [1]
     assert verdict["actions"][0]["action"] == "fix_code"
     report = json.loads((job.dump_dir / "rank0" / "verdict.json").read_text())
@@ -188,7 +189,8 @@ time.sleep(100)
     job = run_job(body, world_size=4, deadline_s=DEADLINE_S, store_poll_s=STORE_POLL_S,
                   hard_exit_s=200, env={**PLAIN, "FRT_SOURCE": "store"})
     learned = _wait_learned(job, [0, 1, 2, 3], STARTUP_S + DEADLINE_S + 10)
-    assert learned[0]["inputs"] == {"files": [], "digests": [0, 1, 2, 3], "none": []}
+    assert learned[0]["inputs"] == {"files": [], "digests": [0, 1, 2, 3], "none": [],
+                                    "skipped": []}
     assert learned[0]["culprit_ranks"] == [2]
 
 

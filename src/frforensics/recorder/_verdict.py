@@ -85,6 +85,7 @@ def _text(value: Any) -> str:
 
 
 _I64_MAX: Final = (1 << 63) - 1
+_MAX_RANK: Final = 1 << 20  # formats.limits' max_rank: a larger number names no rank
 #: a ``dumped`` record is a few hundred bytes; a larger value is not one
 _MAX_RECORD: Final = 1 << 16
 
@@ -390,7 +391,7 @@ class VerdictAgent(threading.Thread):
         key = self._key(k, "leader")
         current = _text(store.compare_set(key, "", str(me)))
         for _ in range(1 << 16):  # each round lowers the value, or another rank set it
-            theirs = _rank_of(current, self.rec.world_size or 1 << 20)
+            theirs = _rank_of(current, _MAX_RANK)
             if not current or (theirs is not None and theirs <= me):
                 break
             # a higher rank, or garbage a peer wrote there: ours replaces it
@@ -398,7 +399,7 @@ class VerdictAgent(threading.Thread):
             if seen == str(me):
                 return me
             current = seen
-        theirs = _rank_of(current, self.rec.world_size or 1 << 20)
+        theirs = _rank_of(current, _MAX_RANK)
         return me if theirs is None else theirs
 
     def _take_ownership(self, store: Any, k: int, me: int) -> bool:
