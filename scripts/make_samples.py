@@ -46,7 +46,7 @@ FAULT_STEP = 3
 
 KINDS = (
     "healthy", "missing_rank", "op_mismatch", "size_mismatch", "dtype_mismatch", "timeout",
-    "dead_rank", "p2p_deadlock", "cross_pg_deadlock", "straggler",
+    "dead_rank", "p2p_deadlock", "cross_pg_deadlock", "straggler", "missing_dump",
 )
 
 # Per scenario: (gloo timeout s, ranks expected to leave a dump).
@@ -55,7 +55,12 @@ SETTINGS: dict[str, tuple[float, tuple[int, ...]]] = {
     # gloo aborts rank 3 (C++ terminate: "Received data size doesn't match expected
     # size") when rank 0's float64 data arrives: it never writes a dump.
     "dtype_mismatch": (GLOO_TIMEOUT_S, (0, 1, 2)),
+    # rank 2 writes its dumps where nobody collects them (its node's local disk)
+    "missing_dump": (GLOO_TIMEOUT_S, (0, 1, 3)),
 }
+
+# Per scenario: ranks whose dump directory is not the collected one.
+UNCOLLECTED: dict[str, tuple[int, ...]] = {"missing_dump": (2,)}
 
 # PyTorch's recorder cannot produce a usable native set for these (see their README).
 NO_NATIVE = frozenset({"dead_rank"})
@@ -194,6 +199,16 @@ def straggler(dist, torch):  # type: ignore[no-untyped-def]
     finish_with_api_dump()
 
 
+def missing_dump(dist, torch):  # type: ignore[no-untyped-def]
+    # a healthy run (as ``healthy``); only rank 2's dumps are never collected: its
+    # dump directory (SAMPLE_DUMP_DIR) is its node's local disk, not the shared one
+    t = torch.ones(4)
+    for _ in range(1, 11):
+        step_all_reduce(t)
+    dist.barrier()
+    finish_with_api_dump()
+
+
 def idle() -> None:
     """Stay alive, outside any collective, until the parent stops the job."""
     time.sleep(HARD_EXIT_S)
@@ -229,6 +244,7 @@ def worker(kind: str) -> None:
     hard.daemon = kind == "dead_rank"
     hard.start()
     dump_dir = Path(os.environ["SAMPLE_DUMP_DIR"])
+    dump_dir.mkdir(parents=True, exist_ok=True)
     import torch
     import torch.distributed as dist
 
@@ -270,12 +286,17 @@ def run_scenario(kind: str, out: Path) -> bool:
                     "PYTHONUNBUFFERED": "1"})
         procs = []
         logs = []
+        local = Path(tmp) / "uncollected"
         for r in range(WORLD_SIZE):
             log = open(Path(tmp) / f"rank{r}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
+            dirs = {}
+            if r in UNCOLLECTED.get(kind, ()):
+                dirs = {"SAMPLE_DUMP_DIR": str(local / "dumps"),
+                        "SAMPLE_NATIVE_DIR": str(local / "native")}
             procs.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", kind],
-                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log,
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r), **dirs}, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True))
         started = time.monotonic()
         want = [dump_dir / f"frdump_rank_{r}" for r in dumping]

@@ -59,7 +59,7 @@ def _finding(report: dict[str, Any], kind: str) -> dict[str, Any]:
 def test_every_failure_kind_has_a_sample() -> None:
     assert set(KINDS) >= {"healthy", "missing_rank", "op_mismatch", "size_mismatch",
                           "dtype_mismatch", "timeout", "dead_rank", "p2p_deadlock",
-                          "cross_pg_deadlock", "straggler"}
+                          "cross_pg_deadlock", "straggler", "missing_dump"}
     for kind in KINDS:
         readme = (SAMPLES / kind / "README.md").read_text()
         assert "scripts/make_samples.py" in readme and "fr-analyze" in readme
