@@ -142,13 +142,13 @@ time.sleep(10)
     ("os.kill(os.getpid(), signal.SIGSTOP)", {("hang", (1,))}),
     # dead: gloo fails the survivors at once; when it retired #4 on some of them
     # before they dumped (as a healthy job dumped mid-op shows) rank 1 is only the
-    # candidate, when on none they are all stuck there: culprit 1. Which one is a
-    # race inside gloo; another rank is never named
+    # candidate (on all of them: the plain warning), when on none they are all stuck
+    # there: culprit 1. Which one is a race inside gloo; another rank is never named
     ("os._exit(1)", {("degraded", ()), ("hang", (1,))}),
 ])
 def test_with_pytorchs_own_dumps_the_missing_rank_is_named_only_when_the_others_are_stuck(
         run_job, fr_analyze, how, outcomes):
-    job = run_job(NATIVE.format(how=how), world_size=4, enable=False, gloo_timeout_s=20.0,
+    job = run_job(NATIVE.replace("{how}", how), world_size=4, enable=False, gloo_timeout_s=20.0,
                   hard_exit_s=60.0, env={"TORCH_FR_BUFFER_SIZE": "2000"})
     job.wait(60)
     job.kill()
@@ -162,4 +162,6 @@ def test_with_pytorchs_own_dumps_the_missing_rank_is_named_only_when_the_others_
     if got[1]:
         assert md[0]["severity"] == "error" and md[0]["op"] == "all_reduce"
     else:
-        assert md[0]["evidence"]["candidates"] == [1], md[0]
+        # #4 retired on some survivors (candidate 1) or on all (the plain warning)
+        ev = md[0]["evidence"]
+        assert ev.get("candidates", ev.get("ranks")) == [1], md[0]

@@ -188,3 +188,15 @@ def test_a_missing_rank_where_every_dumped_rank_is_stuck_is_the_culprit_of_a_han
     assert report.culprit_ranks == (2,)
     f = report.findings[0]
     assert f.kind is FindingKind.MISSING_DUMP and f.severity is Severity.ERROR
+
+
+def test_real_desync_victim_aborted_by_gloo_is_not_a_culprit():
+    # sample_dumps/dtype_mismatch: rank 0 all_reduces float64; gloo aborts rank 3
+    # ("Received data size doesn't match", no dump; its heartbeat goes stale).
+    # Before: culprits [0, 3] (rank 3 a dead_rank); now the desync's rank only
+    samples = Path(__file__).resolve().parents[2] / "sample_dumps"
+    report = analyze(load_dumps([samples / "dtype_mismatch" / "frdump"], jobs=1),
+                     options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == (0,), [f.message for f in report.findings]
+    victim = [f for f in report.findings if f.kind is FindingKind.MISSING_DUMP]
+    assert victim and victim[0].evidence == {"ranks": [3], "consequence_of": "desync"}

@@ -124,8 +124,8 @@ def _consequences_only(ctx: Context, c: Cascade) -> list[Finding]:
     """Every recorded failure is a consequence and no rank is missing: the rank
     that failed first left no trace in these dumps; say so, name no one."""
     cons = [f for f in c.consequences if f.evidence in ("death",)]
-    if not cons:
-        return []
+    if not cons or ctx.graph.waits:
+        return []  # ranks still blocked: the hang detectors follow their waits
     return [Finding(
         kind=FindingKind.DEAD_RANK,
         severity=Severity.ERROR,
