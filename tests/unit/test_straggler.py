@@ -254,3 +254,15 @@ def test_the_share_of_the_job_a_straggler_must_cost_is_an_option() -> None:
     assert report.findings == () and report.culprit_ranks == ()
     [note] = [n for n in report.notes if "slowest rank 6" in n]
     assert "below the 90 % that names a straggler" in note
+
+
+def test_a_slow_pipeline_stage_is_named_from_its_sends_and_recvs() -> None:
+    # pipeline only: the stages share no collective but the first barrier and the log
+    # steps' all-reduces, so without send/recv the rule had nothing to judge (healthy)
+    dumps = (JobBuilder(tp=1, pp=4, dp=1, seed=3).steps(20).jitter(ms=0.2).noise(spiky_ranks=1)
+             .straggler(rank=2, delay_ms=40.0).build())
+    report = _analyze(dumps)
+    assert report.culprit_ranks == (2,)
+    [f] = report.findings
+    assert f.evidence["groups"][0]["desc"] == "PIPELINE_MODEL_PARALLEL_GROUP"
+    assert f.evidence["excess_think_ms"] == pytest.approx(40.0, rel=0.2)
