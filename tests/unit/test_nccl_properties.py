@@ -5,7 +5,9 @@ Issue #10. Every job is drawn from a seed: a layout TP ∈ {1, 2, 4, 8} × PP �
 for NCCL a run-ahead depth per rank, a DP coalescing style and timing on or off
 (drawn per job; straggler batches are split into timing-on and timing-off jobs, since
 only timing gives NCCL dumps ``duration_ms``), and one planted fault at a random rank,
-step and position. The builder states the
+step and position. Every job carries everyday noise (``JobBuilder.noise``: rare 2-5 ms
+spikes before 5 % of the ops of 3 ranks, durations jittered by ~10 %, host clocks
+within NTP's 1 ms), which must change no verdict. The builder states the
 verdict by construction (``JobDumps.expected_native``: the root culprit(s), the
 finding kind, and where each rank is really blocked); the analysis runs in-process
 on each rank's pickle and JSON bytes. Properties:
@@ -144,7 +146,8 @@ def make_job(mode: str, fault: str, seed: int, layout: Layout3 | None = None,
            .schedule(micro_batches=max(pp, 2) + rng.randrange(2), layers_per_stage=1,
                      log_interval=rng.choice([2, 3]))
            .steps(steps)
-           .jitter(ms=0.2))
+           .jitter(ms=0.2)
+           .noise())  # spikes, jittery durations, NTP offsets: never change a verdict
     if mode == "nccl":
         depth = rng.choice([1, 2, 4, 6])
         style = rng.choice(["members", "fused", None])

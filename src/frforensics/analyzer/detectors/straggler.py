@@ -826,7 +826,7 @@ def _noise_notes(ctx: Context, t: _Rows, blame: _Blame, a: F8) -> list[str]:
     mine = (t.pos == p) & blame.blamed
     why = ("not sustained: late on few of its collectives, at no regular point of its steps"
            if not blame.sustained.get(p) else
-           f"below the {blame.min_cost:.0%} that names a straggler")
+           f"below the {_pct(blame.min_cost)} that names a straggler")
     return [f"straggler: slowest rank {int(t.ranks[p])}: late in {int(blame.count[p])} of "
             f"{int(blame.total[p])} collectives by {_ms(float(np.median(a[mine])))} (median), "
             f"costing the job ~{_pct(float(blame.cost[p]))} of its time; {why}, so it is "
@@ -937,7 +937,7 @@ def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
 def _cost_txt(rank: int, blame: _Blame, p: int) -> str:
     """The significance sentence of a straggler's message."""
     how = ("late on most of the collectives it shares" if blame.sustained[p] == "most"
-           else "late at the same point of most steps")
+           else "late again and again at a regular stride, as at the same point of every step")
     return (f"; rank {rank} costs the job ~{_pct(float(blame.cost[p]))} of its time ({how}; "
             f"a straggler is named from {_pct(blame.min_cost)})")
 
