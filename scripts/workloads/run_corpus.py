@@ -93,7 +93,8 @@ EXPECTED_ACTIONS: dict[str, frozenset[str]] = {
 NO_TRACE = {("pipeline", f, "native") for f in ("hang", "slow", "stop_send", "exit", "kill",
                                                  "raise")}
 
-ABSTAIN_NOTE = re.compile(r"send|recv|p2p|no trace|cannot|not record", re.I)
+#: A note that says the dumps cannot show point-to-point traffic.
+ABSTAIN_NOTE = re.compile(r"\b(send|recv|p2p|point-to-point)\b", re.I)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,16 +176,60 @@ def run_case(case: Case, torch_python: str, out: Path, *, checkout: bool = True,
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            rc: int | None = proc.wait(timeout=hard_kill_s)
-        except subprocess.TimeoutExpired:
-            rc = None
+            rc = _wait(proc, dump_dir, hard_kill_s, quiet_s=2 * pg_timeout_s)
         finally:
             _kill_tree(proc)
     return Run(case, dump_dir, rc, time.monotonic() - t0,
                log_path.read_text(errors="replace")[-4000:])
 
 
+def _wait(proc: subprocess.Popen[bytes], dump_dir: Path, hard_kill_s: float,
+          quiet_s: float) -> int | None:
+    """The job's exit status; None when it was still running after ``hard_kill_s``, or
+    when nothing changed in its dump directory for ``quiet_s`` after the first dump
+    of an unfinished job (a 2-D job whose peers never time out: no more evidence is
+    coming, and gloo's timeout has passed twice)."""
+    start = time.monotonic()
+    last_change, last_state = start, None
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if now - start > hard_kill_s:
+            return None
+        state = sorted((f.name, f.stat().st_mtime_ns) for f in dump_dir.iterdir())
+        if state != last_state:
+            last_change, last_state = now, state
+        elif state and now - last_change > quiet_s:
+            return None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def _kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the launcher and every process under it (torchrun's workers may sit in
+    sessions of their own), by pid."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -299,6 +344,11 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None, help="keep dumps and logs here")
     ap.add_argument("--table", type=Path, default=None, help="also write the table here")
     ap.add_argument("--jsonl", type=Path, default=None, help="append one JSON line per verdict")
+    ap.add_argument("--resume", action="store_true",
+                    help="skip cases already in --jsonl for this torch version")
+    ap.add_argument("--reanalyze", action="store_true",
+                    help="run no job: judge the dumps kept under --out again (after an "
+                         "analyzer change; seconds for the whole corpus)")
     a = ap.parse_args()
     sys.path.insert(0, str(SRC))  # the analyzer of this checkout
     todo = cases("all" if a.only else a.subset)
@@ -308,9 +358,21 @@ def main() -> int:
                                        for k in keep)]
     out = a.out or Path(tempfile.mkdtemp(prefix="frf-corpus-"))
     version = torch_version(a.torch_python)
+    if a.resume and a.jsonl and a.jsonl.exists():
+        done = set()
+        for line in a.jsonl.read_text().splitlines():
+            r = json.loads(line)
+            if r["torch"] == version:
+                done.add((r["workload"], r["fault"]))
+        todo = [c for c in todo if (c.workload, c.fault) not in done]
     judged: list[Judged] = []
     for case in todo:
-        run = run_case(case, a.torch_python, out)
+        if a.reanalyze:
+            if not (out / case.id / "dumps").is_dir():
+                continue
+            run = Run(case, out / case.id / "dumps", None, 0.0, "")
+        else:
+            run = run_case(case, a.torch_python, out)
         sets = split_sources(run.dump_dir, out / case.id)
         for source in SOURCES:
             rc, report, err = analyze(sets[source], BY_NAME[case.workload].nproc)

@@ -17,6 +17,7 @@ Run: ``pytest tests/integration/test_real_workloads.py`` (core), ``-m corpus`` (
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import sys
 from pathlib import Path
@@ -31,9 +32,18 @@ corpus: Any = importlib.util.module_from_spec(_spec)
 sys.modules["frf_run_corpus"] = corpus
 _spec.loader.exec_module(corpus)
 
-#: Verdicts wrong today, with the cause (from the findings of a real run). Keyed by
-#: (workload, fault, source); strict: a fix makes them fail until removed here.
-WRONG_TODAY: dict[tuple[str, str, str], str] = {}
+_TORCH = ".".join(importlib.metadata.version("torch").split(".")[:2])
+
+#: Verdicts wrong today, with the cause (from the findings of a real run), keyed by
+#: (workload, fault, source); the torch versions where measured wrong (None: both).
+#: Strict: a fix makes the test fail until its entry is removed here.
+_SCATTER = ("issue 19.1 (h-reads): the weight scatter of parallelize_module is read as a "
+            "dtype_mismatch blaming the scatter root (the digest hashes scatter's input "
+            "dtypes, which only the root has)")
+WRONG_TODAY: dict[tuple[str, str, str], tuple[str, frozenset[str] | None]] = {
+    ("tp", "none", "ours"): (_SCATTER, None),
+    ("tp", "none", "native"): (_SCATTER, None),
+}
 
 
 def _params() -> list[Any]:
@@ -45,9 +55,9 @@ def _params() -> list[Any]:
             # the core set runs in both CI stages; the rest only when asked (-m corpus)
             marks.append(pytest.mark.torch215 if (case.workload, case.fault) in ci
                          else pytest.mark.corpus)
-            why = WRONG_TODAY.get((case.workload, case.fault, source))
-            if why:
-                marks.append(pytest.mark.xfail(strict=True, reason=why))
+            wrong = WRONG_TODAY.get((case.workload, case.fault, source))
+            if wrong and (wrong[1] is None or _TORCH in wrong[1]):
+                marks.append(pytest.mark.xfail(strict=True, reason=wrong[0]))
             out.append(pytest.param(case, source, marks=marks, id=f"{case.id}-{source}"))
     return out
 
