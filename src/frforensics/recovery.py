@@ -56,8 +56,10 @@ __all__ = [
     "RecoveryFailed",
     "RecoveryRefused",
     "RecoveryUnavailable",
+    "exclude_stragglers",
     "guard",
     "new_group",
+    "propose_exclusion",
     "run_step",
     "setup",
     "standby",
@@ -148,6 +150,10 @@ class Options:
     #: store with it. "auto": none under torchrun/frforensics-run (the agent's store,
     #: ``TORCHELASTIC_USE_AGENT_STORE=True``), else rank 0. None: the store is external.
     store_host: int | str | None = "auto"
+    #: Planned exclusions (a slow GPU): every this many successful guarded steps the
+    #: members agree, with one 1-element all_reduce, whether an exclusion was
+    #: proposed (:func:`propose_exclusion`); 0 (default): never checked, no extra op.
+    plan_check_every: int = 0
 
 
 @dataclass
@@ -177,6 +183,10 @@ class State:
     known: set[int] = field(default_factory=set)
     #: The member id hosting the store, None when it is outside the ranks.
     store_host: int | None = None
+    #: Successful guarded steps since the last (re)configuration (the same on every member).
+    steps: int = 0
+    #: Planned exclusions already refused (their store value), not tried again.
+    refused_plans: set[bytes] = field(default_factory=set)
 
 
 _state: State | None = None
@@ -395,6 +405,99 @@ def guard() -> Iterator[Guard]:
             raise
         g.error = exc
         recover(g, cause=exc)
+        return
+    _planned_check(st, g)
+
+
+def propose_exclusion(ranks: Sequence[int], reason: str) -> bool:
+    """Propose excluding ``ranks`` (member ids) at the next planned check.
+
+    Any process may call it (an ``on_verdict`` hook, an operator's tool): the
+    proposal goes to the store (the first one per membership wins) and is carried
+    out at a step boundary by :func:`guard` when ``Options.plan_check_every`` is
+    set, with the same rules and bounds as a failure's verdict. True when this
+    proposal is the one stored.
+    """
+    st = state()
+    verdict = {"schema": "frforensics.verdict/1", "status": "planned",
+               "culprit_ranks": sorted({int(r) for r in ranks}),
+               "actions": [{"rank": int(r), "action": "replace_gpu_or_host",
+                            "because": "planned"} for r in sorted({int(r) for r in ranks})],
+               "headline": f"PLANNED — {reason}", "error": None}
+    raw = json.dumps(verdict)
+    try:
+        got = st.store.compare_set(f"{st.uuid + 1}/plan", "", raw)
+    except Exception as exc:
+        raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
+    return bytes(got).decode() == raw
+
+
+def exclude_stragglers(windows: int = 3) -> Callable[[dict[str, Any]], None]:
+    """An ``on_verdict`` hook: a rank the live straggler finding names with
+    ``replace_gpu_or_host`` in ``windows`` consecutive reports is proposed for a
+    planned exclusion (``recorder.enable(..., on_verdict=recovery.exclude_stragglers())``).
+    """
+    if windows < 1:
+        raise ValueError("windows must be >= 1")
+    streak: dict[int, int] = {}
+
+    def hook(doc: dict[str, Any]) -> None:
+        if not isinstance(doc, dict) or doc.get("kind") != "straggler":
+            return
+        named = set()
+        for a in doc.get("actions") or []:
+            if isinstance(a, dict) and a.get("action") == "replace_gpu_or_host":
+                r = a.get("rank")
+                if isinstance(r, int) and not isinstance(r, bool):
+                    named.add(r)
+        for r in list(streak):
+            if r not in named:
+                del streak[r]
+        for r in named:
+            streak[r] = streak.get(r, 0) + 1
+        due = sorted(r for r, n in streak.items() if n >= windows)
+        if due:
+            propose_exclusion(due, f"straggler in {windows} consecutive window(s): "
+                                   f"rank(s) {due}")
+            for r in due:
+                del streak[r]
+
+    return hook
+
+
+def _planned_check(st: State, g: Guard) -> None:
+    """At a step boundary: carry out a proposed exclusion, agreed by one all_reduce."""
+    every = st.options.plan_check_every
+    if every <= 0 or st.me not in st.members:
+        return
+    st.steps += 1
+    if st.steps % every:
+        return
+    torch, dist, _ = _torch()
+    key = f"{st.uuid + 1}/plan"
+    raw: bytes | None = None
+    with contextlib.suppress(Exception):
+        if st.store.check([key]):
+            raw = bytes(st.store.get(key))
+    seen = torch.tensor([0.0 if raw is None or raw in st.refused_plans else 1.0])
+    # Every member reads the key at a different moment: the MAX tells all of them
+    # that one saw it, and then it is there for everyone to read.
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if seen.item() <= 0:
+        return
+    if raw is None:
+        raw = _get(st.store, key, time.monotonic() + st.options.arrival_timeout_s)
+    if raw is None:
+        raise RecoveryFailed(f"a planned exclusion was seen but {key} is not readable")
+    try:
+        planned = json.loads(raw)
+    except ValueError as exc:
+        raise RecoveryError(f"malformed planned exclusion ({key}): {exc}") from None
+    try:
+        recover(g, planned=planned)
+    except RecoveryRefused as exc:
+        st.refused_plans.add(raw)
+        _say(st, f"planned exclusion refused, training on: {exc.reason}")
 
 
 def run_step(fn: Callable[[], T]) -> tuple[T | None, Guard]:
@@ -696,8 +799,13 @@ def _agree_on_verdict(st: State, uuid: int, local: dict[str, Any] | None,
 
 # ---------------------------------------------------------------- recovery
 
-def recover(g: Guard, *, cause: BaseException | None = None) -> None:
-    """Exclude the verdict's culprits and re-form the groups (called by the guard)."""
+def recover(g: Guard, *, cause: BaseException | None = None,
+            planned: dict[str, Any] | None = None) -> None:
+    """Exclude the verdict's culprits and re-form the groups (called by the guard).
+
+    ``planned``: the verdict of a planned exclusion (no step failed; a refusal
+    leaves the job running, so it does not tell frforensics-run to fail the job).
+    """
     st = state()
     t0 = time.monotonic()
     opts = st.options
@@ -705,11 +813,14 @@ def recover(g: Guard, *, cause: BaseException | None = None) -> None:
         st.recovering = True
     try:
         detail = f"recovery: {type(cause).__name__}: {str(cause)[:200]}" if cause else "recovery"
-        _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'}); "
-                 f"waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
+        if planned is None:
+            _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'})"
+                     f"; waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
+        else:
+            _say(st, f"planned exclusion at step boundary {st.steps}")
         deadline = t0 + opts.verdict_timeout_s
-        verdict = _agree_on_verdict(st, st.uuid + 1, _wait_verdict(st, deadline, detail),
-                                    deadline)
+        local = planned if planned is not None else _wait_verdict(st, deadline, detail)
+        verdict = _agree_on_verdict(st, st.uuid + 1, local, deadline)
         if verdict is None:
             raise RecoveryFailed(
                 f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
@@ -724,6 +835,8 @@ def recover(g: Guard, *, cause: BaseException | None = None) -> None:
         _reform(st, g, verdict, excluded, t0)
     except RecoveryError as exc:
         _say(st, f"recovery gave up: {exc.reason}")
+        if planned is not None and isinstance(exc, RecoveryRefused):
+            raise exc from cause  # a refused plan: the job trains on
         # frforensics-run's agent fails the job (as torchrun would) on this key.
         with contextlib.suppress(Exception):
             st.store.set("gave_up", json.dumps({
@@ -796,6 +909,7 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
     old = st.members
     st.members, st.uuid = members, uuid
     st.known.update(members)
+    st.steps = 0
     _tell_recorder(c10d._get_default_group(), uuid, old, members,
                    str(decision.get("reason", ""))[:300])
     _reform_subgroups(st, excluded, uuid, verdict)

@@ -63,7 +63,11 @@ if me in st.spares:
     dist.broadcast(t, 0)
     step = int(t.item())
 while after < 20:
-    if victim and step == 6 and not st.history:
+    if MODE == "slow":  # the victim is 40 % slower; rank 0 proposes its exclusion at step 8
+        time.sleep(0.028 if victim else 0.02)
+        if me == 0 and step == 8 and not st.history:
+            emit(event="proposed", won=recovery.propose_exclusion([VICTIM], "40 % slower"))
+    elif victim and step == 6 and not st.history:
         emit(event="victim", mode=MODE, t=time.time())
         if MODE == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,6 +88,7 @@ while after < 20:
         os._exit(3)
     if g.reconfigured:
         emit(event="reconfigured", rank=g.rank, world_size=g.world_size, excluded=g.excluded,
+             step=step, failed=g.error is not None,
              verdict=g.verdict.get("headline", ""), evidence=g.verdict.get("evidence", []),
              actions=g.verdict.get("actions", []))
         t = torch.tensor([float(step)])
@@ -261,3 +266,23 @@ def test_a_verdict_that_cannot_be_right_is_refused_and_nobody_exits_79(
     # the job fails as torchrun's would: the agent fails it on the survivors' exits
     assert "failing the job as torchrun would" in text
     assert code != 0
+
+
+def test_a_slow_rank_is_excluded_at_a_step_boundary_and_a_standby_takes_its_place(
+        tmp_path: Path) -> None:
+    code, text = _single(tmp_path, "slow", spares=1,
+                         FRT_OPTIONS='{"plan_check_every": 5}')
+    assert _by(text, "proposed")[0]["won"] is True, text[-6000:]
+    rec = _by(text, "reconfigured")
+    for r in (0, 1, 2):
+        assert rec[r]["excluded"] == [3] and rec[r]["failed"] is False, text[-6000:]
+        assert rec[r]["verdict"].startswith("PLANNED"), rec[r]
+        # at the first check after the proposal (step 8): the check after 10 successful
+        # steps, i.e. at the end of step index 9 (which the loop then redoes)
+        assert rec[r]["step"] == 9, rec[r]
+    assert "step failed" not in text  # no step failed, nothing timed out
+    _assert_three_train_on(text, [0, 1, 2, 4], 4)
+    admitted, done = _by(text, "admitted"), _by(text, "done")
+    assert admitted[4]["rank"] == 3 and done[4]["after"] == 20, text[-6000:]
+    assert "rank 3 exited with code 79" in text
+    assert code == 0, text[-6000:]

@@ -135,3 +135,37 @@ def test_torch_without_reconfigure_is_said_in_one_line() -> None:
 def test_only_failed_collectives_start_a_recovery(message: str, is_comm: bool) -> None:
     assert recovery._is_comm_failure(RuntimeError(message)) is is_comm
     assert recovery._is_comm_failure(ValueError(message)) is False
+
+
+def _straggler(*ranks: int) -> dict[str, Any]:
+    return {"kind": "straggler", "actions": [
+        {"rank": r, "action": "replace_gpu_or_host", "because": "straggler"} for r in ranks]}
+
+
+def test_a_straggler_named_in_consecutive_windows_is_proposed_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    proposed: list[list[int]] = []
+    monkeypatch.setattr(recovery, "propose_exclusion",
+                        lambda ranks, reason: proposed.append(list(ranks)) or True)
+    hook = recovery.exclude_stragglers(windows=3)
+    # rank 3 in three windows in a row; rank 1 in two, then not: its streak ends
+    for doc in (_straggler(3, 1), _straggler(3, 1), {"kind": "hang", "actions": []},
+                _straggler(3), _straggler(3), _straggler(3)):
+        hook(doc)
+    assert proposed == [[3]]
+
+
+@pytest.mark.parametrize("doc", [
+    _straggler(), {"kind": "straggler", "actions": [{"rank": True, "action":
+                                                      "replace_gpu_or_host"}]},
+    {"kind": "straggler", "actions": [{"rank": 2, "action": "inspect"}]},
+    {"kind": "straggler", "actions": "all"}, "not a dict",
+])
+def test_a_straggler_report_without_a_rank_to_replace_proposes_nothing(
+        monkeypatch: pytest.MonkeyPatch, doc: Any) -> None:
+    proposed: list[list[int]] = []
+    monkeypatch.setattr(recovery, "propose_exclusion",
+                        lambda ranks, reason: proposed.append(list(ranks)) or True)
+    hook = recovery.exclude_stragglers(windows=1)
+    hook(doc)
+    assert proposed == []
