@@ -29,8 +29,9 @@ it is torchrun's monitor unchanged):
 - a survivor whose recovery refused or failed sets ``gave_up``: the agent then
   returns ``FAILED`` and torchrun's own code stops the workers and fails the job
   (or restarts it, ``--max-restarts``), as torchrun would;
-- every local worker gone: ``SUCCEEDED`` when each one exited 0, or was excluded
-  by a recovery (exit 79, or no longer a member), else ``FAILED``;
+- every local worker gone: ``SUCCEEDED`` when at least one exited 0 and each of
+  the others was excluded by a recovery (exit 79, or no longer a member), else
+  ``FAILED``;
 - ``--spares K``: K standby processes per node, started with the workers (same
   command, ``FRFORENSICS_STANDBY=1``, a member id of their own past the world,
   ``WORLD_SIZE`` = that id + 1 so ``init_process_group`` works on the agent's
