@@ -846,7 +846,8 @@ def recover(g: Guard, *, cause: BaseException | None = None,
         st.recovering = False
     g.seconds = time.monotonic() - t0
     _say(st, f"reconfigured: now rank {g.rank} of {g.world_size} (excluded {g.excluded}, "
-             f"uuid {st.uuid}, {g.seconds:.2f} s after the step failed)")
+             f"uuid {st.uuid}, {g.seconds:.2f} s after "
+             f"{'the step failed' if planned is None else 'the planned check'})")
 
 
 def _reform(st: State, g: Guard, verdict: dict[str, Any], excluded: list[int],

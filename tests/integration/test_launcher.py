@@ -280,7 +280,7 @@ def test_a_slow_rank_is_excluded_at_a_step_boundary_and_a_standby_takes_its_plac
         # at the first check after the proposal (step 8): the check after 10 successful
         # steps, i.e. at the end of step index 9 (which the loop then redoes)
         assert rec[r]["step"] == 9, rec[r]
-    assert "step failed" not in text  # no step failed, nothing timed out
+    assert "] step failed (" not in text  # no step failed, nothing timed out
     _assert_three_train_on(text, [0, 1, 2, 4], 4)
     admitted, done = _by(text, "admitted"), _by(text, "done")
     assert admitted[4]["rank"] == 3 and done[4]["after"] == 20, text[-6000:]
