@@ -59,7 +59,7 @@ def test_the_store_hosts_rank_is_not_excluded_without_an_external_store() -> Non
     ({"max_exclusions": 1}, "more than max_exclusions=1"),
     ({"min_world_size": 3}, "fewer than min_world_size=3"),
 ])
-def test_more_exclusions_than_the_options_allow_are_refused(kwargs: dict[str, int],
+def test_more_exclusions_than_the_options_allow_are_refused(kwargs: dict[str, Any],
                                                             message: str) -> None:
     v = _verdict((2, "replace_gpu_or_host"), (3, "replace_gpu_or_host"))
     with pytest.raises(recovery.RecoveryRefused, match=message):
@@ -137,6 +137,17 @@ def test_only_failed_collectives_start_a_recovery(message: str, is_comm: bool) -
     assert recovery._is_comm_failure(ValueError(message)) is False
 
 
+def _record_proposals(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    proposed: list[list[int]] = []
+
+    def propose(ranks: list[int], reason: str) -> bool:
+        proposed.append(list(ranks))
+        return True
+
+    monkeypatch.setattr(recovery, "propose_exclusion", propose)
+    return proposed
+
+
 def _straggler(*ranks: int) -> dict[str, Any]:
     return {"kind": "straggler", "actions": [
         {"rank": r, "action": "replace_gpu_or_host", "because": "straggler"} for r in ranks]}
@@ -144,9 +155,7 @@ def _straggler(*ranks: int) -> dict[str, Any]:
 
 def test_a_straggler_named_in_consecutive_windows_is_proposed_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    proposed: list[list[int]] = []
-    monkeypatch.setattr(recovery, "propose_exclusion",
-                        lambda ranks, reason: proposed.append(list(ranks)) or True)
+    proposed = _record_proposals(monkeypatch)
     hook = recovery.exclude_stragglers(windows=3)
     # rank 3 in three windows in a row; rank 1 in two, then not: its streak ends
     for doc in (_straggler(3, 1), _straggler(3, 1), {"kind": "hang", "actions": []},
@@ -163,9 +172,7 @@ def test_a_straggler_named_in_consecutive_windows_is_proposed_once(
 ])
 def test_a_straggler_report_without_a_rank_to_replace_proposes_nothing(
         monkeypatch: pytest.MonkeyPatch, doc: Any) -> None:
-    proposed: list[list[int]] = []
-    monkeypatch.setattr(recovery, "propose_exclusion",
-                        lambda ranks, reason: proposed.append(list(ranks)) or True)
+    proposed = _record_proposals(monkeypatch)
     hook = recovery.exclude_stragglers(windows=1)
     hook(doc)
     assert proposed == []
