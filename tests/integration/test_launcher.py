@@ -149,8 +149,16 @@ def _log(tmp: Path, name: str = "agent") -> str:
 
 
 def _events(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[len("RESULT "):]) for line in text.splitlines()
-            if line.startswith("RESULT ")]
+    """Every ``RESULT {...}`` in the log: workers share it, so two may share a line."""
+    out, decoder, at = [], json.JSONDecoder(), text.find("RESULT {")
+    while at >= 0:
+        try:
+            event, _ = decoder.raw_decode(text, at + len("RESULT "))
+            out.append(event)
+        except ValueError:
+            pass  # cut by another process's line: not an event
+        at = text.find("RESULT {", at + 1)
+    return out
 
 
 def _by(text: str, event: str) -> dict[int, dict[str, Any]]:
