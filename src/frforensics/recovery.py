@@ -57,8 +57,10 @@ __all__ = [
     "RecoveryFailed",
     "RecoveryRefused",
     "RecoveryUnavailable",
+    "exclude_stragglers",
     "guard",
     "new_group",
+    "propose_exclusion",
     "run_step",
     "setup",
     "standby",
@@ -71,6 +73,12 @@ log = logging.getLogger("frforensics.recovery")
 #: Exit code of a process told it was excluded from the job.
 EXIT_EXCLUDED = 79
 _NS = "frforensics/recovery/"
+#: Set by frforensics-run in the standby processes it starts (``--spares``).
+ENV_STANDBY = "FRFORENSICS_STANDBY"
+#: The job's world size (torchrun's WORLD_SIZE), given to standbys by frforensics-run.
+ENV_JOB_WORLD = "FRFORENSICS_JOB_WORLD_SIZE"
+#: Set by frforensics-run in every process it starts: its agent reports exits.
+ENV_RUN = "FRFORENSICS_RUN"
 T = TypeVar("T")
 
 
@@ -134,6 +142,18 @@ class Options:
     #: Where the verdict comes from: ``fn(timeout_s, detail) -> verdict dict | None``.
     #: None: the recorder's verdict at hang time (``frforensics.recorder``).
     verdict_source: Callable[[float, str], dict[str, Any] | None] | None = None
+    #: The most ranks this job may exclude over its life (None: no limit).
+    max_exclusions: int | None = None
+    #: Never exclude below this many survivors (standbys not counted).
+    min_world_size: int = 1
+    #: The member id whose process hosts the c10d store; excluding it would take the
+    #: store with it. "auto": none under torchrun/frforensics-run (the agent's store,
+    #: ``TORCHELASTIC_USE_AGENT_STORE=True``), else rank 0. None: the store is external.
+    store_host: int | str | None = "auto"
+    #: Planned exclusions (a slow GPU): every this many successful guarded steps the
+    #: members agree, with one 1-element all_reduce, whether an exclusion was
+    #: proposed (:func:`propose_exclusion`); 0 (default): never checked, no extra op.
+    plan_check_every: int = 0
 
 
 @dataclass
@@ -159,6 +179,14 @@ class State:
     lock: threading.Lock = field(default_factory=threading.Lock)
     recovering: bool = False
     closed: bool = False
+    #: Every member id this job ever had (a verdict may name no other rank).
+    known: set[int] = field(default_factory=set)
+    #: The member id hosting the store, None when it is outside the ranks.
+    store_host: int | None = None
+    #: Successful guarded steps since the last (re)configuration (the same on every member).
+    steps: int = 0
+    #: Planned exclusions already refused (their store value), not tried again.
+    refused_plans: set[bytes] = field(default_factory=set)
 
 
 _state: State | None = None
@@ -173,6 +201,21 @@ def state() -> State:
 
 # ---------------------------------------------------------------- store helpers
 
+def job_store(store: Any, restart: str = "0") -> Any:
+    """Recovery's namespace in the job's store: ``frforensics/recovery/<restart>/``.
+
+    Rooted at the store under every ``PrefixStore`` (init_process_group adds
+    ``default_pg`` and the group's name, distributed_c10d.py), so that
+    frforensics-run's agent, a client of the same TCPStore, sees the same keys;
+    one namespace per torchrun restart (``TORCHELASTIC_RESTART_COUNT``).
+    """
+    _, dist, _ = _torch()
+    root = store
+    while isinstance(root, dist.PrefixStore):
+        root = root.underlying_store
+    return dist.PrefixStore(f"{_NS}{restart}", root)
+
+
 def _get(store: Any, key: str, deadline: float) -> bytes | None:
     """The key's value, or None when it is not set by ``deadline`` (monotonic)."""
     while True:
@@ -184,6 +227,13 @@ def _get(store: Any, key: str, deadline: float) -> bytes | None:
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def _add(store: Any, key: str, value: int) -> int:
+    try:
+        return int(store.add(key, value))
+    except Exception as exc:
+        raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
 
 
 def _set(store: Any, key: str, value: str) -> None:
@@ -236,21 +286,49 @@ def setup(*, spares: int = 0, options: Options | None = None) -> State:
     why = available()
     if why is not None:
         raise RecoveryUnavailable(why)
-    _, dist, c10d = _torch()
+    _, _, c10d = _torch()
     pg = c10d._get_default_group()
     if not c10d._supports_reconfigure(pg):
         raise RecoveryUnavailable("the default group's backend cannot reconfigure "
                                   "(init_process_group(..., enable_reconfigure=True))")
     opts = options or Options()
-    store = dist.PrefixStore(_NS, c10d._get_default_store())
+    store = job_store(c10d._get_default_store(),
+                      os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     me, world = pg.rank(), pg.size()
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    host: int | None = (None if agent_store else 0) if opts.store_host == "auto" \
+        else (opts.store_host if isinstance(opts.store_host, int) else None)
+    if os.environ.get(ENV_STANDBY) == "1":
+        # A standby started by frforensics-run: its own member id (RANK), outside the
+        # job's world; it joins the membership the job has now.
+        job_world = int(os.environ.get(ENV_JOB_WORLD, "0") or 0)
+        uuid, members = 1, list(range(job_world))
+        raw = _get(store, "current", time.monotonic())
+        if raw is not None:
+            cur = json.loads(raw)
+            uuid, members = int(cur["uuid"]), [int(m) for m in cur["members"]]
+        st = State(me=me, members=members, uuid=uuid, store=store, options=opts,
+                   restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+                   spares=[me], known=set(range(job_world)) | set(members) | {me},
+                   store_host=host)
+        _state = st
+        _add(store, "standbys", 1)
+        threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
+                         daemon=True).start()
+        return st
     if not 0 <= spares < world:
         raise RecoveryError(f"spares={spares} leaves no active rank in a world of {world}")
     members = list(range(world - spares))
     st = State(me=me, members=members, uuid=1, store=store, options=opts,
                restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
-               spares=list(range(world - spares, world)))
+               spares=list(range(world - spares, world)), known=set(range(world)),
+               store_host=host)
     _state = st
+    if me in st.spares:
+        _add(store, "standbys", 1)
+    if me == 0:
+        _set(store, "current", json.dumps({"uuid": 1, "members": members}))
+        _set(store, "setup", "1")  # frforensics-run: this job recovers; keep survivors
     if me in members:
         _set(store, f"1/h/{me}", _handle())
         deadline = time.monotonic() + opts.arrival_timeout_s
@@ -325,6 +403,99 @@ def guard() -> Iterator[Guard]:
             raise
         g.error = exc
         recover(g, cause=exc)
+        return
+    _planned_check(st, g)
+
+
+def propose_exclusion(ranks: Sequence[int], reason: str) -> bool:
+    """Propose excluding ``ranks`` (member ids) at the next planned check.
+
+    Any process may call it (an ``on_verdict`` hook, an operator's tool): the
+    proposal goes to the store (the first one per membership wins) and is carried
+    out at a step boundary by :func:`guard` when ``Options.plan_check_every`` is
+    set, with the same rules and bounds as a failure's verdict. True when this
+    proposal is the one stored.
+    """
+    st = state()
+    verdict = {"schema": "frforensics.verdict/1", "status": "planned",
+               "culprit_ranks": sorted({int(r) for r in ranks}),
+               "actions": [{"rank": int(r), "action": "replace_gpu_or_host",
+                            "because": "planned"} for r in sorted({int(r) for r in ranks})],
+               "headline": f"PLANNED — {reason}", "error": None}
+    raw = json.dumps(verdict)
+    try:
+        got = st.store.compare_set(f"{st.uuid + 1}/plan", "", raw)
+    except Exception as exc:
+        raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
+    return bytes(got).decode() == raw
+
+
+def exclude_stragglers(windows: int = 3) -> Callable[[dict[str, Any]], None]:
+    """An ``on_verdict`` hook: a rank the live straggler finding names with
+    ``replace_gpu_or_host`` in ``windows`` consecutive reports is proposed for a
+    planned exclusion (``recorder.enable(..., on_verdict=recovery.exclude_stragglers())``).
+    """
+    if windows < 1:
+        raise ValueError("windows must be >= 1")
+    streak: dict[int, int] = {}
+
+    def hook(doc: dict[str, Any]) -> None:
+        if not isinstance(doc, dict) or doc.get("kind") != "straggler":
+            return
+        named = set()
+        for a in doc.get("actions") or []:
+            if isinstance(a, dict) and a.get("action") == "replace_gpu_or_host":
+                r = a.get("rank")
+                if isinstance(r, int) and not isinstance(r, bool):
+                    named.add(r)
+        for r in list(streak):
+            if r not in named:
+                del streak[r]
+        for r in named:
+            streak[r] = streak.get(r, 0) + 1
+        due = sorted(r for r, n in streak.items() if n >= windows)
+        if due:
+            propose_exclusion(due, f"straggler in {windows} consecutive window(s): "
+                                   f"rank(s) {due}")
+            for r in due:
+                del streak[r]
+
+    return hook
+
+
+def _planned_check(st: State, g: Guard) -> None:
+    """At a step boundary: carry out a proposed exclusion, agreed by one all_reduce."""
+    every = st.options.plan_check_every
+    if every <= 0 or st.me not in st.members:
+        return
+    st.steps += 1
+    if st.steps % every:
+        return
+    torch, dist, _ = _torch()
+    key = f"{st.uuid + 1}/plan"
+    raw: bytes | None = None
+    with contextlib.suppress(Exception):
+        if st.store.check([key]):
+            raw = bytes(st.store.get(key))
+    seen = torch.tensor([0.0 if raw is None or raw in st.refused_plans else 1.0])
+    # Every member reads the key at a different moment: the MAX tells all of them
+    # that one saw it, and then it is there for everyone to read.
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if seen.item() <= 0:
+        return
+    if raw is None:
+        raw = _get(st.store, key, time.monotonic() + st.options.arrival_timeout_s)
+    if raw is None:
+        raise RecoveryFailed(f"a planned exclusion was seen but {key} is not readable")
+    try:
+        planned = json.loads(raw)
+    except ValueError as exc:
+        raise RecoveryError(f"malformed planned exclusion ({key}): {exc}") from None
+    try:
+        recover(g, planned=planned)
+    except RecoveryRefused as exc:
+        st.refused_plans.add(raw)
+        _say(st, f"planned exclusion refused, training on: {exc.reason}")
 
 
 def run_step(fn: Callable[[], T]) -> tuple[T | None, Guard]:
@@ -341,7 +512,85 @@ def _current_rank(st: State) -> int:
 
 # ---------------------------------------------------------------- verdict
 
+#: What a worker's death says about its host, as frforensics-run's agent saw it.
+#: SIGKILL is the kernel's OOM killer or the host's own tooling (137 = 128 + 9 when
+#: a shell wrapped the worker); other deaths are evidence only, the verdict decides.
+_HOST_DEATHS = {"SIGKILL"}
+
+
+def exit_record(rank: int, exitcode: int, *, host: str, pid: int) -> dict[str, Any]:
+    """What frforensics-run's agent stores about a worker that exited (``exit/<rank>``)."""
+    import signal as _signal
+
+    sig = None
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            sig = _signal.Signals(-exitcode).name
+    elif exitcode == 137:
+        sig = "SIGKILL"
+    return {"rank": rank, "exitcode": exitcode, "signal": sig, "host": host, "pid": pid,
+            "time_ns": time.time_ns(), "excluded": exitcode == EXIT_EXCLUDED}
+
+
+def _exit_records(st: State) -> list[dict[str, Any]]:
+    """The agent's records of members that exited (frforensics-run), oldest first."""
+    try:
+        if _add(st.store, "exits", 0) <= 0:
+            return []
+        keys = [f"exit/{m}" for m in st.members]
+        present = [k for k in keys if st.store.check([k])]
+        out = []
+        for raw in (st.store.multi_get(present) if present else []):
+            with contextlib.suppress(ValueError, TypeError):
+                rec = json.loads(bytes(raw))
+                if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+                    out.append(rec)
+        return sorted(out, key=lambda r: int(r.get("time_ns") or 0))
+    except Exception:
+        return []
+
+
+def _agent_verdict(st: State) -> dict[str, Any] | None:
+    """A verdict from frforensics-run's agent: members killed (SIGKILL/OOM) are replaced."""
+    records = [r for r in _exit_records(st) if not r.get("excluded")]
+    dead = [r for r in records if r.get("signal") in _HOST_DEATHS]
+    if not dead:
+        return None
+    ranks = sorted({int(r["rank"]) for r in dead})
+    what = "; ".join(f"rank {r['rank']} on {r.get('host')} killed by {r['signal']} "
+                     f"(exit code {r['exitcode']}, pid {r.get('pid')})" for r in dead)
+    return {"schema": "frforensics.verdict/1", "status": "dead", "culprit_ranks": ranks,
+            "actions": [{"rank": r, "action": "replace_gpu_or_host", "because": "killed"}
+                        for r in ranks],
+            "headline": f"DEAD — {what}: the OOM killer or the host (frforensics-run's agent)",
+            "evidence": records, "source": "frforensics-run", "error": None}
+
+
 def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | None:
+    verdict = _wait_verdict_inner(st, deadline, detail)
+    if verdict is not None and os.environ.get(ENV_RUN) == "1":
+        records = _exit_records(st)
+        if records and "evidence" not in verdict:
+            verdict = {**verdict, "evidence": records}  # the agent's exit codes and signals
+    return verdict
+
+
+def _under_agent_poll(st: State, seconds: float) -> dict[str, Any] | None:
+    """frforensics-run's verdict within ``seconds`` (its monitor runs every 0.1 s)."""
+    if os.environ.get(ENV_RUN) != "1":
+        return None
+    end = time.monotonic() + seconds
+    while True:
+        v = _agent_verdict(st)
+        if v is not None or time.monotonic() >= end:
+            return v
+        time.sleep(0.05)
+
+
+def _wait_verdict_inner(st: State, deadline: float, detail: str) -> dict[str, Any] | None:
+    fast = _under_agent_poll(st, 0.0)
+    if fast is not None:
+        return fast
     if st.options.verdict_source is not None:
         try:
             return st.options.verdict_source(max(0.0, deadline - time.monotonic()), detail)
@@ -363,6 +612,9 @@ def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | N
         with contextlib.suppress(Exception):
             config = recorder.session().rec.config  # type: ignore[union-attr]
             settle = min(float(config.stale_limit_s) + float(config.store_poll_interval_s), 10.0)
+            fast = _under_agent_poll(st, max(0.0, min(settle, deadline - time.monotonic())))
+            if fast is not None:
+                return fast
             time.sleep(max(0.0, min(settle, deadline - time.monotonic())))
     with contextlib.suppress(Exception):
         request(detail)
@@ -370,26 +622,93 @@ def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | N
     return v if isinstance(v, dict) else None
 
 
-def exclusion_from(verdict: dict[str, Any], members: Sequence[int]) -> list[int]:
+def _action_rank(i: int, action: dict[str, Any], known: set[int]) -> int:
+    """The action's rank: an int (not a bool) naming a member this job had."""
+    if "rank" not in action:
+        raise RecoveryError(f"malformed verdict: actions[{i}].rank is missing")
+    rank = action["rank"]
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise RecoveryError(f"malformed verdict: actions[{i}].rank is {rank!r} "
+                            "(want an int member id)")
+    if rank not in known:
+        raise RecoveryError(f"malformed verdict: actions[{i}].rank {rank} is not a member "
+                            f"of this job (members ever: {sorted(known)[:16]})")
+    return rank
+
+
+def _actions(verdict: Any, known: set[int]) -> list[tuple[int, str]]:
+    """(rank, action) of every action, or :class:`RecoveryError` naming the bad field."""
+    if not isinstance(verdict, dict):
+        raise RecoveryError(f"malformed verdict: {type(verdict).__name__}, not an object")
+    raw = verdict.get("actions")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise RecoveryError(f"malformed verdict: actions is {type(raw).__name__}, not a list",
+                            [verdict])
+    out = []
+    for i, a in enumerate(raw):
+        if not isinstance(a, dict):
+            raise RecoveryError(f"malformed verdict: actions[{i}] is {type(a).__name__}, "
+                                "not an object", [verdict])
+        what = a.get("action")
+        if not isinstance(what, str):
+            raise RecoveryError(f"malformed verdict: actions[{i}].action is {what!r} "
+                                "(want a string)", [verdict])
+        try:
+            out.append((_action_rank(i, a, known), what))
+        except RecoveryError as exc:
+            raise RecoveryError(exc.reason, [verdict]) from None
+    return out
+
+
+def exclusion_from(verdict: dict[str, Any], members: Sequence[int], *,
+                   known: Sequence[int] | None = None, store_host: int | None = None,
+                   max_exclusions: int | None = None, excluded_so_far: int = 0,
+                   min_world_size: int = 1) -> list[int]:
     """The member ids to exclude, or :class:`RecoveryRefused` with the verdict.
 
     ``fix_code`` anywhere refuses (excluding a rank will not fix a desync); the
     ranks whose action is ``replace_gpu_or_host`` are excluded; a verdict that
-    names none (``inspect`` only, or an analysis error) refuses too.
+    names none (``inspect`` only, or an analysis error) refuses too. So does one
+    that would exclude every member, the store host's rank (``store_host``: the
+    store would go with it), more ranks than ``max_exclusions`` allows over the
+    job, or leave fewer than ``min_world_size`` survivors. A malformed action (a
+    rank that is not an int — ``None``, ``"two"``, ``1.9``, ``True`` — or not a
+    member this job ever had, in ``known``) raises :class:`RecoveryError` naming
+    the field. Ranks of ``known`` that are no longer members are ignored.
     """
-    actions = [a for a in verdict.get("actions") or [] if isinstance(a, dict)]
-    fix = sorted({int(a["rank"]) for a in actions if a.get("action") == "fix_code"})
+    ever = set(known) if known is not None else set(members)
+    ever |= set(members)
+    actions = _actions(verdict, ever)
+    fix = sorted({r for r, a in actions if a == "fix_code"})
     if fix:
         raise RecoveryRefused(
             f"not excluding anyone: the verdict says fix_code for rank(s) {fix} "
             "(a code bug: excluding ranks will not help)", [verdict])
-    out = sorted({int(a["rank"]) for a in actions
-                  if a.get("action") == "replace_gpu_or_host" and int(a["rank"]) in members})
+    out = sorted({r for r, a in actions if a == "replace_gpu_or_host" and r in members})
     if not out:
         status = verdict.get("status")
         raise RecoveryRefused(
             f"not excluding anyone: the verdict (status {status}) names no rank to replace "
-            f"(actions: {[(a.get('rank'), a.get('action')) for a in actions]})", [verdict])
+            f"(actions: {actions})", [verdict])
+    if len(out) >= len(members):
+        raise RecoveryRefused(
+            f"not excluding anyone: the verdict would exclude every member ({out}); "
+            "nobody would be left to train", [verdict])
+    if store_host is not None and store_host in out:
+        raise RecoveryRefused(
+            f"not excluding anyone: rank {store_host} hosts the c10d store and the job has "
+            "no external store (run under frforensics-run or torchrun, whose agent hosts it)",
+            [verdict])
+    if max_exclusions is not None and excluded_so_far + len(out) > max_exclusions:
+        raise RecoveryRefused(
+            f"not excluding anyone: excluding {out} would make {excluded_so_far + len(out)} "
+            f"exclusions in this job, more than max_exclusions={max_exclusions}", [verdict])
+    if len(members) - len(out) < min_world_size:
+        raise RecoveryRefused(
+            f"not excluding anyone: excluding {out} would leave {len(members) - len(out)} "
+            f"rank(s), fewer than min_world_size={min_world_size}", [verdict])
     return out
 
 
@@ -459,19 +778,32 @@ def _agree_on_verdict(st: State, uuid: int, local: dict[str, Any] | None,
     """The verdict every survivor uses for attempt ``uuid``: the first one published."""
     key = f"{uuid}/verdict"
     try:
-        if local is not None:
-            raw = st.store.compare_set(key, "", json.dumps(local))
-            return dict(json.loads(bytes(raw)))
+        raw = st.store.compare_set(key, "", json.dumps(local)) if local is not None else None
     except Exception as exc:
         raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
-    raw = _get(st.store, key, deadline)
-    return None if raw is None else dict(json.loads(raw))
+    if raw is None:
+        raw = _get(st.store, key, deadline)
+    if raw is None:
+        return None
+    try:
+        verdict = json.loads(bytes(raw))
+    except ValueError as exc:
+        raise RecoveryError(f"malformed verdict in the store ({key}): {exc}") from None
+    if not isinstance(verdict, dict):
+        raise RecoveryError(f"malformed verdict in the store ({key}): "
+                            f"{type(verdict).__name__}, not an object")
+    return verdict
 
 
 # ---------------------------------------------------------------- recovery
 
-def recover(g: Guard, *, cause: BaseException | None = None) -> None:
-    """Exclude the verdict's culprits and re-form the groups (called by the guard)."""
+def recover(g: Guard, *, cause: BaseException | None = None,
+            planned: dict[str, Any] | None = None) -> None:
+    """Exclude the verdict's culprits and re-form the groups (called by the guard).
+
+    ``planned``: the verdict of a planned exclusion (no step failed; a refusal
+    leaves the job running, so it does not tell frforensics-run to fail the job).
+    """
     st = state()
     t0 = time.monotonic()
     opts = st.options
@@ -479,27 +811,41 @@ def recover(g: Guard, *, cause: BaseException | None = None) -> None:
         st.recovering = True
     try:
         detail = f"recovery: {type(cause).__name__}: {str(cause)[:200]}" if cause else "recovery"
-        _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'}); "
-                 f"waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
+        if planned is None:
+            _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'})"
+                     f"; waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
+        else:
+            _say(st, f"planned exclusion at step boundary {st.steps}")
         deadline = t0 + opts.verdict_timeout_s
-        verdict = _agree_on_verdict(st, st.uuid + 1, _wait_verdict(st, deadline, detail),
-                                    deadline)
+        local = planned if planned is not None else _wait_verdict(st, deadline, detail)
+        verdict = _agree_on_verdict(st, st.uuid + 1, local, deadline)
         if verdict is None:
             raise RecoveryFailed(
                 f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
                 "enabled with the verdict at hang time?); not guessing whom to exclude") from cause
         g.verdict = verdict
         _say(st, f"verdict: {' '.join(str(verdict.get('headline', '')).split())}")
-        excluded = exclusion_from(verdict, st.members)
+        excluded = exclusion_from(
+            verdict, st.members, known=sorted(st.known), store_host=st.store_host,
+            max_exclusions=opts.max_exclusions,
+            excluded_so_far=sum(len(h["excluded"]) for h in st.history),
+            min_world_size=opts.min_world_size)
         _reform(st, g, verdict, excluded, t0)
     except RecoveryError as exc:
         _say(st, f"recovery gave up: {exc.reason}")
+        if planned is not None and isinstance(exc, RecoveryRefused):
+            raise exc from cause  # a refused plan: the job trains on
+        # frforensics-run's agent fails the job (as torchrun would) on this key.
+        with contextlib.suppress(Exception):
+            st.store.set("gave_up", json.dumps({
+                "rank": st.me, "kind": type(exc).__name__, "reason": exc.reason[:500]}))
         raise exc from cause
     finally:
         st.recovering = False
     g.seconds = time.monotonic() - t0
     _say(st, f"reconfigured: now rank {g.rank} of {g.world_size} (excluded {g.excluded}, "
-             f"uuid {st.uuid}, {g.seconds:.2f} s after the step failed)")
+             f"uuid {st.uuid}, {g.seconds:.2f} s after "
+             f"{'the step failed' if planned is None else 'the planned check'})")
 
 
 def _reform(st: State, g: Guard, verdict: dict[str, Any], excluded: list[int],
@@ -532,6 +878,7 @@ def _reform(st: State, g: Guard, verdict: dict[str, Any], excluded: list[int],
                     "old_members": st.members, "excluded": excluded,
                     "reason": verdict.get("headline", ""), "incident": verdict.get("incident")}
         _set(st.store, f"{uuid}/decision", json.dumps(decision))
+        _set(st.store, "current", json.dumps({"uuid": uuid, "members": members}))
     else:
         raw = _get(st.store, f"{uuid}/decision",
                    deadline + opts.arrival_timeout_s)  # the leader's own bound, then ours
@@ -560,6 +907,8 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
         raise RecoveryFailed(f"reconfigure (uuid {uuid}) failed: {exc}", [verdict]) from exc
     old = st.members
     st.members, st.uuid = members, uuid
+    st.known.update(members)
+    st.steps = 0
     _tell_recorder(c10d._get_default_group(), uuid, old, members,
                    str(decision.get("reason", ""))[:300])
     _reform_subgroups(st, excluded, uuid, verdict)
@@ -612,14 +961,36 @@ def _reform_subgroups(st: State, excluded: list[int], uuid: int,
 
 def _admit_spares(st: State, uuid: int, wanted: int,
                   deadline: float) -> list[tuple[int, str]]:
+    """Up to ``wanted`` standbys that answered this recovery's ``open`` (id, handle).
+
+    A standby registers as ``<uuid>/spare#<n>`` (``n`` from the store's counter);
+    the leader waits up to 2 s for them, and only while some standby is alive
+    (the ``standbys`` counter), so a job without standbys loses no time here.
+    """
     out: list[tuple[int, str]] = []
-    for spare in list(st.spares):
+    if wanted <= 0 or _add(st.store, "standbys", 0) <= 0:
+        return out
+    end = min(deadline, time.monotonic() + 2.0)
+    while True:
+        n = _add(st.store, f"{uuid}/nspare", 0)
+        if n >= wanted or time.monotonic() >= end:
+            break
+        time.sleep(0.02)
+    for i in range(1, n + 1):
         if len(out) >= wanted:
             break
-        raw = _get(st.store, f"{uuid}/spare/{spare}", min(deadline, time.monotonic() + 2.0))
-        if raw is not None:
-            out.append((spare, raw.decode()))
+        raw = _get(st.store, f"{uuid}/spare#{i}", time.monotonic())
+        if raw is None:
+            continue
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            entry = json.loads(raw)
+            spare, handle = int(entry["id"]), str(entry["handle"])
+            if spare not in st.members and spare not in [m for m, _ in out]:
+                out.append((spare, handle))
+    for spare, _ in out:
+        if spare in st.spares:
             st.spares.remove(spare)
+        st.known.add(spare)
     return out
 
 
@@ -686,7 +1057,8 @@ def standby(*, timeout_s: float | None = None) -> Guard:
     while end is None or time.monotonic() < end:
         if _get(st.store, f"{uuid}/open", time.monotonic() + 0.5) is None:
             continue
-        _set(st.store, f"{uuid}/spare/{st.me}", _handle())
+        n = _add(st.store, f"{uuid}/nspare", 1)
+        _set(st.store, f"{uuid}/spare#{n}", json.dumps({"id": st.me, "handle": _handle()}))
         raw = _get(st.store, f"{uuid}/decision", time.monotonic() + 3 * st.options.arrival_timeout_s)
         if raw is None:
             uuid += 1
@@ -704,6 +1076,9 @@ def standby(*, timeout_s: float | None = None) -> Guard:
         for s in decision["members"]:
             if s in st.spares:
                 st.spares.remove(s)
+        st.known.update(int(m) for m in decision["members"])
+        with contextlib.suppress(RecoveryError):
+            _add(st.store, "standbys", -1)
         _apply(st, g, decision, {"headline": decision.get("reason", "")})
         _say(st, f"admitted: now rank {g.rank} of {g.world_size}")
         return g

@@ -198,11 +198,8 @@ def test_gloo_lone_host_clock_ahead_is_reported_as_a_clock_question() -> None:
     assert "clock alone ran 50" in report.findings[0].message
 
 
-def _analyze(dumps: JobDumps, **options: float) -> Report:
-    ds = DumpSet()
-    for r, t in dumps.traces().items():
-        ds.digests[r] = digest(t, rank=r)
-    return analyze(ds, options=AnalyzeOptions(world_size=dumps.world_size, **options))
+def _analyze(dumps, **options: float):
+    return analyze_dumps(dumps, "frdump", **options)
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
