@@ -4,8 +4,8 @@ Every file the recorder, the verdict and the CLI write (dumps, tail digests,
 path lists, reports, timelines) goes through :func:`write_atomic` (or
 :func:`atomic_file` for a writer that streams). Why:
 
-* a reader never sees half a file (the data is flushed and fsynced, then
-  ``os.replace`` puts it in place in one step);
+* a reader never sees half a file (the data is flushed — and fsynced for dumps,
+  ``durable=True`` — then ``os.replace`` puts it in place in one step);
 * a character device named as the target (``-o /dev/null``, ``/dev/stdout``) is
   written into, never replaced; a FIFO or socket there is refused (it could block);
 * nothing is ever written *through* a link to a file: the temp file is created by
@@ -49,7 +49,7 @@ class WriteError(OSError):
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str], *, binary: bool = False, mode: int = 0o644,
-                make_parents: bool = False) -> Iterator[Any]:
+                make_parents: bool = False, durable: bool = False) -> Iterator[Any]:
     """A file object whose contents become ``path`` when the block ends without error.
 
     On any error (in the block or while writing) the temp file is removed, the
@@ -73,7 +73,8 @@ def atomic_file(path: str | os.PathLike[str], *, binary: bool = False, mode: int
         with fh:
             yield fh
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:  # dumps: on disk before the rename (a crash right after keeps them)
+                os.fsync(fh.fileno())
         os.replace(tmp, target)
         tmp = None
     except OSError as exc:
@@ -102,10 +103,13 @@ def _device(target: Path) -> int | None:
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str, *, mode: int = 0o644,
-                 make_parents: bool = False) -> Path:
+                 make_parents: bool = False, durable: bool = False) -> Path:
     """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically, never through a
-    link; returns the path. :class:`WriteError` (one line naming ``path``) on failure."""
-    with atomic_file(path, binary=True, mode=mode, make_parents=make_parents) as fh:
+    link; returns the path. ``durable``: fsync before the rename (dumps; reports are
+    rewritten by any rerun and skip it). :class:`WriteError` (one line naming ``path``)
+    on failure."""
+    with atomic_file(path, binary=True, mode=mode, make_parents=make_parents,
+                     durable=durable) as fh:
         fh.write(data.encode("utf-8") if isinstance(data, str) else data)
     return Path(path)
 

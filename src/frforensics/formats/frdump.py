@@ -216,7 +216,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     owner-only permissions as dumps always had). Returns the final path."""
     from frforensics._atomic import write_atomic as _write_atomic
 
-    return _write_atomic(path, data, mode=0o600, make_parents=True)
+    return _write_atomic(path, data, mode=0o600, make_parents=True, durable=True)
 
 
 # ---------------------------------------------------------------- reading

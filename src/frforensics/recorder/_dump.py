@@ -304,7 +304,7 @@ class DumpWriter:
                         rec.note_error("dump note provider", exc)
                 trace = build_trace(rec, reason, detail, death or rec.death, notes)
                 path = write_atomic(rec.dump_path(), frdump.encode(trace), mode=0o600,
-                                    make_parents=True)
+                                    make_parents=True, durable=True)
                 self.dumped_reasons.append(reason)
                 if rec.death is None and reason in (DumpReason.WATCHDOG_TIMEOUT,
                                                     DumpReason.PEER_SIGNAL):
@@ -337,6 +337,6 @@ class DumpWriter:
                 return
             for i, (key, data) in enumerate(source(rec)):
                 path = rec.native_dump_path(None if i == 0 else key)
-                write_atomic(path, data, mode=0o600, make_parents=True)
+                write_atomic(path, data, mode=0o600, make_parents=True, durable=True)
         except Exception as exc:
             rec.note_error("native dump", exc)

@@ -189,12 +189,12 @@ class LiveStragglers(threading.Thread):
             "seq", ())) >= 8]
         if len(ready) < 2:
             return
-        work = rec.config.dump_dir / ".frforensics_verdict" / "live"
-        work.mkdir(parents=True, exist_ok=True)
+        from frforensics._atomic import safe_dir, write_atomic
+
+        work = safe_dir(rec.config.dump_dir / ".frforensics_verdict" / "live")
         paths = [str(frdump.write_atomic(work / f"frdump_rank_{r}",
                                          frdump.encode(self._trace(r)))) for r in ready]
-        listing = work / "paths.txt"
-        listing.write_text("\n".join(paths) + "\n", encoding="utf-8")
+        listing = write_atomic(work / "paths.txt", "\n".join(paths) + "\n")
         env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
         proc = subprocess.run(
             [sys.executable, "-m", "frforensics", "verdict", "--paths-from", str(listing),

@@ -434,10 +434,18 @@ class VerdictAgent(threading.Thread):
         rec = self.rec
         t0 = time.monotonic()
         dump_dir = rec.config.dump_dir
-        work = safe_dir(dump_dir / ".frforensics_verdict"
-                        / f"{rec.namespace.replace('/', '-')}-{inc.k}")
-        paths, inputs = self._inputs(inc.k, store, world, work)
-        listing = write_atomic(work / "paths.txt", "\n".join(paths) + "\n")
+        try:
+            work = safe_dir(dump_dir / ".frforensics_verdict"
+                            / f"{rec.namespace.replace('/', '-')}-{inc.k}")
+            paths, inputs = self._inputs(inc.k, store, world, work)
+            listing = write_atomic(work / "paths.txt", "\n".join(paths) + "\n")
+        except OSError as exc:  # a work folder that is a planted link, a full disk
+            verdict = self._compact(inc.k, None, "", {"files": [], "digests": [], "none": [],
+                                                      "skipped": []}, str(exc), dump_dir)
+            with contextlib.suppress(Exception):
+                store.set(f"verdict/{inc.k}", json.dumps(verdict))
+            self._no_verdict(inc, f"cannot prepare the analysis: {exc}", None)
+            return
         cmd = [sys.executable, "-m", "frforensics", "verdict", "--paths-from", str(listing),
                "--out-dir", str(dump_dir), "--world-size", str(world), "--jobs", "1"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
@@ -578,7 +586,7 @@ class VerdictAgent(threading.Thread):
                        "skipped": skipped}
 
     def _compact(self, k: int, report: dict[str, Any] | None, text: str,
-                 inputs: dict[str, list[int]], error: str | None, dump_dir: Path) -> dict[str, Any]:
+                 inputs: dict[str, Any], error: str | None, dump_dir: Path) -> dict[str, Any]:
         rec = self.rec
         block = text.split("\n\n", 1)[0].strip("\n")
         flag_ns = None
