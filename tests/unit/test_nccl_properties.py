@@ -331,6 +331,7 @@ GAPS: dict[Case, str] = {
 }
 
 
+@pytest.mark.slow  # ~24 generated jobs, tens of seconds of CPU each: the slow lane
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", _cases(), ids=_case_id)
 def test_generated_jobs_name_exactly_the_planted_roots(case: Case,
