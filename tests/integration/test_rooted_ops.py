@@ -69,6 +69,8 @@ mesh = init_device_mesh("cpu", (ws,))
 torch.manual_seed(0)
 model = parallelize_module(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)), mesh,
                            {"0": ColwiseParallel(), "2": RowwiseParallel()})
+if fault == "tp_hang" and rank == 3:
+    time.sleep(120)  # rank 3 hangs before the forward; its peers block in its all_reduce
 model(torch.ones(2, 8)).sum().backward()
 dist.barrier()
 
@@ -129,3 +131,18 @@ def test_a_scatter_chunk_of_another_dtype_names_the_rank_that_received_it(run_jo
             source, [f["message"] for f in report["findings"]])
         finding = next(f for f in report["findings"] if f["kind"] == "dtype_mismatch")
         assert finding["op"] == "scatter" and finding["culprit_ranks"] == [2], (source, kinds)
+
+
+@pytest.mark.timeout(420)
+def test_a_rank_hung_in_a_tensor_parallel_job_is_the_missing_rank(run_job):
+    # before rooted ops were compared on what members agree on, the weights'
+    # scatter hid this behind a dtype DESYNC blaming rank 0
+    job = run_job(ROOTED, world_size=4, deadline_s=10.0, hard_exit_s=150,
+                  env={"FRT_FAULT": "tp_hang"}, name="tp_hang")
+    arrived = job.wait_for_dumps([0, 1, 2, 3], timeout_s=120)
+    assert sorted(arrived) == [0, 1, 2, 3], job.logs()
+    job.kill()
+    code, report = _analyze(job.dump_dir)
+    assert (code, report["status"], report["culprit_ranks"]) == (1, "hang", [3]), (
+        [f["message"] for f in report["findings"]])
+    assert report["findings"][0]["kind"] == "missing_rank"
