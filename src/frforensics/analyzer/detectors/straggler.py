@@ -105,7 +105,7 @@ MOST: Final = 0.5
 #: every step; random spikes are rarely that regular). Late at least
 #: ``MIN_RECURRING`` times either way.
 MOST_REGULAR: Final = 0.75
-MIN_STRIDES: Final = 8
+MIN_STRIDES: Final = 6
 MIN_RECURRING: Final = 5
 
 F8 = npt.NDArray[np.float64]
