@@ -12,7 +12,12 @@ writing each rank's window as a small frdump. When a rank is reported as a
 straggler it logs one line, writes ``stragglers.json`` next to the dumps and
 calls the ``on_verdict`` hooks with the finding; only new stragglers are
 reported again. A healthy job produces nothing: the rule never blames a rank
-late by less than 1 ms, or not persistently.
+late by less than 1 ms, and names one only when its lateness is sustained and
+costs the job at least 5 % of its time (``AnalyzeOptions.straggler_min_cost``;
+the analyzer's "Significance", docs/detectors.md): a rank with rare spikes is
+noise, here as in ``fr-analyze``. Send/recv are not published (the window holds
+collectives only), so a slow pipeline stage is found by ``fr-analyze`` on the
+dumps, not live.
 """
 
 from __future__ import annotations

@@ -100,9 +100,12 @@ SAME_CLOCK_MIN_NS: Final = 10_000_000
 DEFAULT_MIN_COST: Final = 0.05
 #: ... and is sustained: late on at least this share of a group's collectives, or
 MOST: Final = 0.5
-#: late at a regular stride (this share of the gaps between its late collectives of
-#: a group within 25 % of their median) at least ``MIN_RECURRING`` times.
+#: late at a regular stride: this share of at least ``MIN_STRIDES`` gaps between its
+#: late collectives of a group within 12.5 % of their median (the same point of
+#: every step; random spikes are rarely that regular). Late at least
+#: ``MIN_RECURRING`` times either way.
 MOST_REGULAR: Final = 0.75
+MIN_STRIDES: Final = 6
 MIN_RECURRING: Final = 5
 
 F8 = npt.NDArray[np.float64]
@@ -759,13 +762,14 @@ def _significance(t: _Rows, a: F8, e: F8, blamed: BOOL, p: int) -> tuple[float, 
         if len(late) < MIN_BLAMED:
             continue
         # since its first late one: a rank that turned slow within the window is
-        # late on most of what followed
-        if len(late) >= MOST * (n_judged - int(late[0])):
+        # late on most of what followed; at least MIN_RECURRING times (a few
+        # spikes among a few judged collectives are no evidence)
+        if len(late) >= MIN_RECURRING and len(late) >= MOST * (n_judged - int(late[0])):
             return cost, "most"
         gaps = np.diff(late)
-        if len(gaps) >= MIN_RECURRING - 1:
+        if len(gaps) >= MIN_STRIDES:
             d = float(np.median(gaps))
-            if d >= 2 and np.mean(np.abs(gaps - d) <= max(1.0, d / 4)) >= MOST_REGULAR:
+            if d >= 2 and np.mean(np.abs(gaps - d) <= max(1.0, d / 8)) >= MOST_REGULAR:
                 how = "recurring"
     return cost, how
 
