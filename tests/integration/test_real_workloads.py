@@ -35,14 +35,87 @@ _spec.loader.exec_module(corpus)
 _TORCH = ".".join(importlib.metadata.version("torch").split(".")[:2])
 
 #: Verdicts wrong today, with the cause (from the findings of a real run), keyed by
-#: (workload, fault, source); the torch versions where measured wrong (None: both).
-#: Strict: a fix makes the test fail until its entry is removed here.
-_SCATTER = ("issue 19.1 (h-reads): the weight scatter of parallelize_module is read as a "
+#: (workload, fault, source), with the torch versions where they were measured wrong:
+#: strict there (a fix makes the test fail until its entry is removed), not strict on
+#: a version where the case was not measured.
+_SCATTER = ("issue 19.1 (h-reads): parallelize_module's weight scatter is read as a "
             "dtype_mismatch blaming the scatter root (the digest hashes scatter's input "
             "dtypes, which only the root has)")
-WRONG_TODAY: dict[tuple[str, str, str], tuple[str, frozenset[str] | None]] = {
-    ("tp", "none", "ours"): (_SCATTER, None),
-    ("tp", "none", "native"): (_SCATTER, None),
+_RAISE_ACTION = ("issue 19.1 action rule (h-cascade, actions.py): the culprit is right "
+                 "(dead_rank, its dump's RuntimeError: bad batch) but the action is inspect; "
+                 "an exception raised in the program's own code should be fix_code")
+_KILL_CASCADE = ("issue 19.2 (h-cascade): the dead rank (SIGKILL, os._exit) left no dump and gets only a "
+                 "missing_dump warning; the survivors that died of gloo's 'Connection "
+                 "reset/closed by peer' are the dead_rank culprits")
+_KILL_NATIVE = ("issue 19.3 (h-cascade): from PyTorch's dumps the missing file of the dead "
+                "rank is only a missing_dump warning (exit 0, no culprit)")
+_STOP_SEND = ("p2p_deadlock (no owner in issue 19's split): a stage that stopped sending "
+              "is read as a recv/recv cycle and both it and the next stage are blamed, though "
+              "the next stage waits on a send (its recv's peer_seq) the stage never issued")
+_P2P_SILENT = ("PyTorch's gloo recorder holds no send/recv: a hung pipeline's dumps show only "
+               "completed loss broadcasts and the verdict is healthy, exit 0, with no note "
+               "that point-to-point traffic is unseen (it should abstain and say why)")
+_SKIP_CASCADE = ("issue 19.4 (h-cascade): size_mismatch names the skipping rank, but gloo then "
+                 "aborts a receiving rank (EnforceNotMet 'Received data size doesn't match', "
+                 "SIGABRT, no dump) and a survivor dying of 'Connection reset by peer' is added "
+                 "as a dead_rank culprit")
+_SKIP_NATIVE = ("issue 19.4 (h-cascade): size_mismatch names the skipping rank, and the rank "
+                "gloo aborted (no dump) is added as a missing_dump culprit")
+_P2P_STRAGGLER = ("issue 19.5 (h-straggler): a pipeline stage 40 ms slow per microbatch is not "
+                  "reported; the straggler detector judges collectives only")
+_SLOW_NOISE = ("h-straggler: rank 1 is 40-54 ms late at each step's first FSDP all_gather, "
+               "but on the loaded 2-core VM every wait swung 20-80 ms and the threshold "
+               "(8 robust std) rose above 40 ms; load-dependent, so not strict")
+_MEASURED = frozenset({"2.13"})
+_NOISY: frozenset[str] = frozenset()  # wrong or right with the machine's load: never strict
+WRONG_TODAY: dict[tuple[str, str, str], tuple[str, frozenset[str]]] = {
+    ("tp", "none", "ours"): (_SCATTER, _MEASURED),
+    ("tp", "none", "native"): (_SCATTER, _MEASURED),
+    ("dp_tp", "none", "ours"): (_SCATTER, _MEASURED),
+    ("dp_tp", "none", "native"): (_SCATTER, _MEASURED),
+    ("dp_tp8", "none", "ours"): (_SCATTER, _MEASURED),
+    ("dp_tp8", "none", "native"): (_SCATTER, _MEASURED),
+    ("tp", "hang", "ours"): (_SCATTER, _MEASURED),
+    ("tp", "hang", "native"): (_SCATTER, _MEASURED),
+    ("dp_tp", "hang", "ours"): (_SCATTER, _MEASURED),
+    ("dp_tp", "hang", "native"): (_SCATTER, _MEASURED),
+    ("pipeline", "hang", "native"): (_P2P_SILENT, _MEASURED),
+    ("dp_tp8", "hang", "ours"): (_SCATTER, _MEASURED),
+    ("dp_tp8", "hang", "native"): (_SCATTER, _MEASURED),
+    ("ddp", "skip", "ours"): (_SKIP_CASCADE, _MEASURED),
+    ("ddp", "skip", "native"): (_SKIP_NATIVE, _MEASURED),
+    ("tp", "skip", "ours"): (_SKIP_CASCADE, _MEASURED),
+    ("dp_tp", "skip", "ours"): (_SCATTER, _MEASURED),
+    ("dp_tp", "skip", "native"): (_SCATTER, _MEASURED),
+    ("tp", "op", "ours"): (_SCATTER, _MEASURED),
+    ("tp", "op", "native"): (_SCATTER, _MEASURED),
+    ("dp_tp", "op", "ours"): (_SCATTER, _MEASURED),
+    ("dp_tp", "op", "native"): (_SCATTER, _MEASURED),
+    ("tp", "size", "ours"): (_SCATTER, _MEASURED),
+    ("tp", "size", "native"): (_SCATTER, _MEASURED),
+    ("ddp", "raise", "ours"): (_RAISE_ACTION, _MEASURED),
+    ("fsdp2", "raise", "ours"): (_RAISE_ACTION, _MEASURED),
+    ("tp", "raise", "ours"): (_SCATTER, _MEASURED),
+    ("tp", "raise", "native"): (_SCATTER, _MEASURED),
+    ("pipeline", "raise", "ours"): (_RAISE_ACTION, _MEASURED),
+    ("pipeline", "raise", "native"): (_P2P_SILENT, _MEASURED),
+    ("ddp", "kill", "ours"): (_KILL_CASCADE, _MEASURED),
+    ("ddp", "kill", "native"): (_KILL_NATIVE, _MEASURED),
+    ("fsdp2", "kill", "ours"): (_KILL_CASCADE, _MEASURED),
+    ("fsdp2", "kill", "native"): (_KILL_NATIVE, _MEASURED),
+    ("tp", "kill", "ours"): (_SCATTER, _MEASURED),
+    ("tp", "kill", "native"): (_SCATTER, _MEASURED),
+    ("pipeline", "kill", "ours"): (_KILL_CASCADE, _MEASURED),
+    ("pipeline", "stop_send", "ours"): (_STOP_SEND, _MEASURED),
+    ("pipeline", "stop_send", "native"): (_P2P_SILENT, _MEASURED),
+    ("fsdp2", "slow", "ours"): (_SLOW_NOISE, _NOISY),
+    ("fsdp2", "slow", "native"): (_SLOW_NOISE, _NOISY),
+    ("pipeline", "slow", "ours"): (_P2P_STRAGGLER, _MEASURED),
+    ("pipeline", "slow", "native"): (_P2P_SILENT, _MEASURED),
+    ("ddp", "exit", "ours"): (_KILL_CASCADE, _MEASURED),
+    ("ddp", "exit", "native"): (_KILL_NATIVE, _MEASURED),
+    ("fsdp2", "exit", "ours"): (_KILL_CASCADE, _MEASURED),
+    ("fsdp2", "exit", "native"): (_KILL_NATIVE, _MEASURED),
 }
 
 
@@ -56,8 +129,12 @@ def _params() -> list[Any]:
             marks.append(pytest.mark.torch215 if (case.workload, case.fault) in ci
                          else pytest.mark.corpus)
             wrong = WRONG_TODAY.get((case.workload, case.fault, source))
-            if wrong and (wrong[1] is None or _TORCH in wrong[1]):
-                marks.append(pytest.mark.xfail(strict=True, reason=wrong[0]))
+            if wrong:
+                measured = _TORCH in wrong[1]
+                reason = wrong[0] if measured or not wrong[1] else (
+                    f"{wrong[0]} (measured wrong on torch {', '.join(sorted(wrong[1]))}; "
+                    f"not yet measured on {_TORCH})")
+                marks.append(pytest.mark.xfail(strict=measured, reason=reason))
             out.append(pytest.param(case, source, marks=marks, id=f"{case.id}-{source}"))
     return out
 
