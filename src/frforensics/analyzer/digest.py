@@ -519,6 +519,20 @@ def _details(trace: RankTrace, rows: list[int], state: U1, is_p2p: U1,
     }
 
 
+#: Said of a PyTorch gloo dump whose ``pg_status`` counts ops its entries lack.
+UNRECORDED_P2P_NOTE = (
+    "ran point-to-point ops (send/recv) that PyTorch's gloo flight recorder does not "
+    "record (pg_status counts them, the entries lack them): a fault in them, such as "
+    "a pipeline stage that stops sending or runs slow, cannot be seen in these dumps")
+
+
+def _unrecorded_note(trace: RankTrace) -> tuple[str, ...]:
+    """The abstention a reader must see where the dump cannot show p2p traffic
+    (``formats.native._unrecorded_ops``; torch-2.13-facts.md: gloo records no
+    send/recv yet advances ``last_enqueued_collective`` for them)."""
+    return (UNRECORDED_P2P_NOTE,) if trace.unrecorded_ops > 0 else ()
+
+
 def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
            window: int | None = None) -> RankDigest:
     """Reduce ``trace`` to its :class:`RankDigest` (``rank`` already resolved).
@@ -597,7 +611,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         threads=trace.threads,
         stale_peers=trace.stale_peers,
         death=trace.death,
-        notes=(*trace.notes, *order_notes),
+        notes=(*trace.notes, *order_notes, *_unrecorded_note(trace)),
         group=np.ascontiguousarray(e.pg),
         seq=seq,
         p2p_seq=np.ascontiguousarray(e.p2p_seq),
