@@ -77,9 +77,11 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
         findings.extend(detector(ctx))
     findings = _explained_by_desync(findings)
     findings = _hidden_p2p_roots(ctx, findings)
+    findings, beside = _stragglers_beside_errors(findings)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
     notes = list(job.notes)
+    notes.extend(beside)
     if not any(f.kind is FindingKind.STRAGGLER for f in findings):
         notes.extend(straggler.unjudged(ctx))
     if graph.young and not findings:
@@ -112,6 +114,24 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     if len(job.digests) > 8 * options.timeline_ranks:
         ranks = timeline_ranks(report, job.digests, options.timeline_ranks)
     return replace(report, timeline=_timeline(ctx, ranks))
+
+
+def _stragglers_beside_errors(findings: list[Finding]) -> tuple[list[Finding], list[str]]:
+    """A straggler beside a hang or desync is a note, not a culprit.
+
+    Around a hang or a desync the ranks stop at different points, run ahead or
+    wait out the failure, so their arrival times say more about the fault than
+    about a slow GPU: a rank that looks late there is not named beside the root
+    cause (issue 20: noisy ranks were added as second and third culprits beside
+    real mismatches). The straggler's text stays in the notes.
+    """
+    if not any(f.severity is Severity.ERROR for f in findings):
+        return findings, []
+    kept = [f for f in findings if f.kind is not FindingKind.STRAGGLER]
+    notes = [f"straggler not named beside the error finding(s) (arrival times around a hang "
+             f"or desync are distorted): {f.message}"
+             for f in findings if f.kind is FindingKind.STRAGGLER]
+    return kept, notes
 
 
 def _timeline(ctx: Context, ranks: list[int] | None = None) -> tuple[RankTimeline, ...]:

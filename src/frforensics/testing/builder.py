@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -823,6 +822,16 @@ class JobBuilder:
         classes = sorted(by_sig.values(), key=len)
         small = len(classes[0])
         culprits = tuple(sorted(m for c in classes if len(c) == small for m in c))
+        # a tie (two members, an even split): the analogous groups (same desc and
+        # size, SPMD) issue the planted rank's peers' call at this seq, so they
+        # single out the planted rank's class (the analyzer's analog rule)
+        if planted is not None and len(classes) > 1 and len(classes[-1]) == small:
+            reference = self._analog_reference(plan, gid, seq)
+            sig_of = {m: specs[sid].signature for m, _, sid in members}
+            mine = next(c for c in classes if planted in c)
+            if (reference is not None and sig_of[planted] != reference
+                    and any(sig_of[m] == reference for c in classes if c is not mine for m in c)):
+                culprits = tuple(sorted(mine))
         sid_of = {m: sid for m, _, sid in members}
         majority = specs[sid_of[classes[-1][0]]]
         odd = specs[sid_of[classes[0][0]]]
@@ -832,32 +841,20 @@ class JobBuilder:
             kind = "size_mismatch"
         else:
             kind = "dtype_mismatch"
-        # a tie (two members, an even split): the analogous groups (same desc and
-        # size) single out the planted rank's class when most of their members used
-        # its peers' value of the field that differs (the analyzer's analog rule)
-        if planted is not None and len(classes) > 1 and len(classes[-1]) == small:
-            pick = _FIELD_OF[kind]
-            reference = self._analog_reference(plan, gid, seq, pick)
-            value = {m: pick(specs[sid]) for m, _, sid in members}
-            mine = next(c for c in classes if planted in c)
-            if (reference is not None and value[planted] != reference
-                    and any(value[m] == reference for c in classes if c is not mine for m in c)):
-                culprits = tuple(sorted(mine))
         return Expected(status="desync", kinds=(kind,), culprit_ranks=culprits,
                         group=self._group_of(gid), seq=seq, seq_kind="collective", op=majority.op,
                         waiting_ranks=tuple(sorted(m for m, _, _ in members)))
 
-    def _analog_reference(self, plan: _Plan, gid: int, seq: int,
-                          pick: Callable[[OpSpec], object]) -> object | None:
-        """The ``pick`` value most members of ``gid``'s analogous groups (same desc
-        and size) posted at ``seq`` — clearly most (more than twice the runner-up,
-        as the analyzer asks), else None; at most 64 votes, as the analyzer."""
+    def _analog_reference(self, plan: _Plan, gid: int, seq: int) -> tuple[object, ...] | None:
+        """The signature most members of ``gid``'s analogous groups (same desc and
+        size) posted at ``seq`` — clearly most (more than twice the runner-up, as
+        the analyzer asks), else None; at most 64 votes, as the analyzer."""
         lay, specs, sim = self.layout, plan.cat.specs, self._sim
         group = lay.groups[gid]
         kind_name = next(k for k in GROUP_KINDS if k in lay.gid_of
                          and int(lay.gid_of[k][group.ranks[0]]) == gid)
         kind = GROUP_KINDS.index(kind_name)
-        votes: Counter[object] = Counter()
+        votes: Counter[tuple[object, ...]] = Counter()
         for other, g in enumerate(lay.groups):
             if other == gid or g.desc != group.desc or len(g.ranks) != len(group.ranks):
                 continue
@@ -872,7 +869,7 @@ class JobBuilder:
                     last = ins
                     count += 1
                     if count == seq:
-                        votes[pick(spec)] += 1
+                        votes[spec.signature] += 1
                         break
             if sum(votes.values()) >= 64:
                 break
@@ -902,14 +899,6 @@ class JobBuilder:
                         group=self._group_of(gid), seq=key[1], seq_kind="collective",
                         op=plan.cat.specs[members[0][2]].op, waiting_ranks=tuple(sorted(posted)),
                         also_acceptable=also)
-
-
-#: what the analyzer compares per mismatch kind: op name, sizes, input dtypes
-_FIELD_OF: dict[str, Callable[[OpSpec], object]] = {
-    "op_mismatch": lambda s: s.op,
-    "size_mismatch": lambda s: (s.in_sizes, s.out_sizes),
-    "dtype_mismatch": lambda s: s.in_dtypes,
-}
 
 
 def _act_io(cat: Catalog, instr_id: int) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...], tuple[str, ...], tuple[str, ...]]:

@@ -78,8 +78,6 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
     else:
         majority = classes[top_value]
         culprits = sorted(r for v, rs in classes.items() if v != top_value for r in rs)
-    if tie and deviants:
-        top_value = next(values[r] for r, v in m.raw.items() if v == reference)
 
     details = {r: _detail_at(ctx, r, m.gid, m.seq) for r in values}
     if m.field == "dtype":
@@ -99,6 +97,10 @@ def mismatch_finding(ctx: Context, m: Mismatch, kind: FindingKind) -> Finding:
                 else det.in_shapes)
             if shapes:
                 values[r] = f"{values[r]} {shapes}"
+    if tie and deviants:
+        # the analogs' value, as the members that agree with them show it (after the
+        # dtype names and shapes are filled in above)
+        top_value = next(values[r] for r, v in m.raw.items() if v == reference)
     op = None
     for r in (majority or culprits):
         det = details.get(r)
@@ -177,18 +179,31 @@ def _value_at(ctx: Context, rank: int, gid: int, seq: int, field: Field) -> int 
     return int(column[hit[0]])
 
 
+def _call_at(ctx: Context, rank: int, gid: int, seq: int) -> tuple[int | None, ...]:
+    """What ``rank`` posted at ``seq`` of ``gid``: (op, dtype, size)."""
+    return tuple(_value_at(ctx, rank, gid, seq, fld) for fld in ("op", "dtype", "size"))
+
+
 def _analog_reference(ctx: Context, m: Mismatch) -> int | None:
-    """The value most members of ``m``'s analog groups used at ``m.seq``."""
+    """The value of ``m.field`` in the call most members of ``m``'s analog groups
+    posted at ``m.seq``, when that whole call (op, dtype and size) is one that a
+    member of ``m`` posted too.
+
+    An analog must be the same call: groups of other pipeline stages share the
+    desc and size but run other calls at the same seq, and a dtype that one of
+    them happens to share says nothing about which member deviated.
+    """
     group = ctx.job.groups[m.gid]
-    votes: Counter[int] = Counter()
+    posted = {_call_at(ctx, r, m.gid, m.seq) for r in m.raw}
+    votes: Counter[tuple[int | None, ...]] = Counter()
     for other in ctx.job.groups:
         if other.gid == m.gid or other.desc != group.desc or len(other.ranks) != len(group.ranks):
             continue
         for rank in ctx.job.dumped_members(other.gid):
             if rank not in m.raw:
-                value = _value_at(ctx, rank, other.gid, m.seq, m.field)
-                if value is not None:
-                    votes[value] += 1
+                call = _call_at(ctx, rank, other.gid, m.seq)
+                if None not in call:
+                    votes[call] += 1
         if sum(votes.values()) >= 64:
             break
     if not votes:
@@ -196,4 +211,6 @@ def _analog_reference(ctx: Context, m: Mismatch) -> int | None:
     (best, count), *rest = votes.most_common(2)
     if rest and rest[0][1] * 2 > count:
         return None  # the analogs disagree too: no clear reference
-    return best
+    if best not in posted:
+        return None  # the analogs ran another call at this seq: no evidence
+    return best[("op", "dtype", "size").index(m.field)]
