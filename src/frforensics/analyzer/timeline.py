@@ -32,9 +32,9 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TextIO
 
+from frforensics._atomic import atomic_file
 from frforensics.formats.sources import read_sources
 from frforensics.model import OpState, RankTrace, user_frame
 from frforensics.report import LoadProblem
@@ -224,12 +224,5 @@ def write_timeline_file(paths: Sequence[str | os.PathLike[str]], path: str | os.
                         *, prefix: str | None = None) -> TimelineSummary:
     """Read the dumps at ``paths`` and write their timeline to ``path`` atomically
     (a reader never sees half of it)."""
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            summary = write_timeline(read_sources([str(p) for p in paths], prefix=prefix), fh)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return summary
+    with atomic_file(path) as fh:  # never through a link; no .tmp left on failure
+        return write_timeline(read_sources([str(p) for p in paths], prefix=prefix), fh)
