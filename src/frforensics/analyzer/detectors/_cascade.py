@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.digest import RankDigest
+from frforensics.analyzer.merge import _superseded_groups
 from frforensics.failures import Failure, FailureClass, classify_death, classify_message
 
 __all__ = ["TIE_NS", "Cascade", "RankFailure", "cascade"]
@@ -118,8 +120,14 @@ def cascade(ctx: Context) -> Cascade:
     # Ranks without a dump: a stale heartbeat says it died (no exception).
     stale: dict[int, int] = {}
     for d in ctx.job.digests.values():
+        current = _current_members(d)
         for p in d.stale_peers:
-            if p.rank in ctx.job.digests or not d.dump_time_ns:
+            if current is not None and p.rank not in current:
+                continue  # excluded by a reconfiguration: no longer a peer of this rank
+            # a member without a dump only: a rank excluded by a reconfiguration
+            # keeps a stale heartbeat in its old peers' view, yet is no longer a member
+            if p.rank in ctx.job.digests or p.rank not in ctx.job.missing_dumps \
+                    or not d.dump_time_ns:
                 continue
             when = d.dump_time_ns - int(p.age_s * 1e9)
             stale[p.rank] = min(stale.get(p.rank, when), when)
@@ -151,6 +159,16 @@ def cascade(ctx: Context) -> Cascade:
             tied = []
     # desync victims that died with a dump are consequences already (marker "desync")
     return Cascade(tuple(roots), tuple(conseq), tuple(unknown), tuple(tied), tuple(victims))
+
+
+def _current_members(d: RankDigest) -> set[int] | None:
+    """The members of ``d``'s groups that no reconfiguration has replaced, or None
+    when the rank never reconfigured (frforensics.recovery re-forms groups as
+    ``<name>@r<uuid>``; ``merge._superseded_groups``)."""
+    old = _superseded_groups(d)
+    if not old:
+        return None
+    return {r for i, g in enumerate(d.groups) if i not in old for r in (g.ranks or ())}
 
 
 def _desync_victims(ctx: Context, missing: list[int]) -> list[int]:
