@@ -41,13 +41,17 @@ _TORCH = ".".join(importlib.metadata.version("torch").split(".")[:2])
 _KILL_NATIVE = ("issue 19.3: from PyTorch's gloo dumps the dead rank (SIGKILL, os._exit) left no "
                 "file and the survivors' failed op is retired on some of them (gloo retires a "
                 "failed op as it retires a completed one), a pattern a healthy job dumped mid-op "
-                "also shows: a missing_dump warning naming the candidate, exit 0, no culprit")
+                "also shows: a missing_dump warning naming the candidate, exit 0, no culprit; "
+                "when every survivor is still stuck the rank is named (a race inside gloo), "
+                "so never strict")
 _STOP_SEND = ("p2p_deadlock: a stage that stopped sending is read as a recv/recv cycle and both "
               "it and the next stage are blamed (fix_code), though the next stage waits on a "
               "send (its recv's peer_seq) the stage never issued")
 _RAISE_NATIVE = ("PyTorch's gloo dumps: rank 1 raised, torchrun SIGTERMed the others and their "
                  "saved native dumps show nothing pending (gloo retired the failed op): "
-                 "healthy, exit 0; the raising rank's exception is not in PyTorch's dumps")
+                 "healthy, exit 0; the raising rank's exception is not in PyTorch's dumps. "
+                 "Whether the others' op is retired when their dump is saved is a race "
+                 "(2.13 ddp: right in one run, wrong in CI's), so never strict")
 _SLOW_NOISE = ("rank 1 is 40-54 ms late at each step's first FSDP all_gather, but on a loaded "
                "2-core VM every wait swung 20-80 ms; load-dependent, so not strict")
 _MEASURED = frozenset({"2.13"})
@@ -58,16 +62,16 @@ _NOISY: frozenset[str] = frozenset()  # wrong or right with the machine's load: 
 WRONG_TODAY: dict[tuple[str, str, str], tuple[str, frozenset[str]]] = {
     # measured by re-judging the kept dumps of the 2.13 matrix and the 2.15 core set
     # with the analyzer of this commit (run_corpus.py --reanalyze)
-    ("ddp", "raise", "native"): (_RAISE_NATIVE, frozenset({"2.15"})),
-    ("tp", "raise", "native"): (_RAISE_NATIVE, _MEASURED),
-    ("ddp", "kill", "native"): (_KILL_NATIVE, _MEASURED),
-    ("fsdp2", "kill", "native"): (_KILL_NATIVE, _BOTH),
-    ("tp", "kill", "native"): (_KILL_NATIVE, _MEASURED),
+    ("ddp", "raise", "native"): (_RAISE_NATIVE, _NOISY),
+    ("tp", "raise", "native"): (_RAISE_NATIVE, _NOISY),
+    ("ddp", "kill", "native"): (_KILL_NATIVE, _NOISY),
+    ("fsdp2", "kill", "native"): (_KILL_NATIVE, _NOISY),
+    ("tp", "kill", "native"): (_KILL_NATIVE, _NOISY),
     ("pipeline", "stop_send", "ours"): (_STOP_SEND, _BOTH),
     ("fsdp2", "slow", "ours"): (_SLOW_NOISE, _NOISY),
     ("fsdp2", "slow", "native"): (_SLOW_NOISE, _NOISY),
-    ("ddp", "exit", "native"): (_KILL_NATIVE, _MEASURED),
-    ("fsdp2", "exit", "native"): (_KILL_NATIVE, _MEASURED),
+    ("ddp", "exit", "native"): (_KILL_NATIVE, _NOISY),
+    ("fsdp2", "exit", "native"): (_KILL_NATIVE, _NOISY),
 }
 
 
