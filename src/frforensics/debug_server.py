@@ -43,6 +43,8 @@ from torch.distributed.debug._frontend import (  # type: ignore[import-not-found
     Route,
 )
 
+from frforensics.verdict import Verdict, VerdictError
+
 __all__ = ["VerdictHandler"]
 
 PATH = "/frforensics_verdict"
@@ -85,10 +87,10 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
         env = os.environ.get("FRFORENSICS_DUMP_DIR")
         return Path(env).expanduser().resolve() if env else None
 
-    def report_path(self, verdict: dict[str, Any]) -> tuple[Path | None, str]:
+    def report_path(self, verdict: Verdict) -> tuple[Path | None, str]:
         """``verdict.html`` of this job's dump folder when the verdict names it, else
         ``(None, why)``."""
-        named = Path(str(verdict.get("verdict_json", "")))
+        named = Path(verdict.verdict_json or "")
         mine = self.dump_dir()
         if mine is None:
             return None, "this job's dump folder is not known to the debug server"
@@ -112,8 +114,9 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
     def templates(self) -> dict[str, str]:
         return {"frforensics_verdict.html": _TEMPLATE}
 
-    def latest(self) -> dict[str, Any] | None:
-        """The newest verdict in the job's store, or None."""
+    def latest(self) -> Verdict | None:
+        """The newest verdict in the job's store (``Verdict.loads``: a peer's word,
+        every field checked), or None; a value that is not one is shown as such."""
         from torch.distributed.debug._store import (  # type: ignore[import-not-found,unused-ignore]
             tcpstore_client,
         )
@@ -128,13 +131,12 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
             found = f"{base}{k}"
         if found is None:
             return None
-        from frforensics.recorder._verdict import check_verdict
-
-        value, why = check_verdict(store.get(found))
-        if value is None:
-            return {"incident": found.rsplit("/", 1)[-1], "headline": f"(not a verdict: {why})",
-                    "text": "", "verdict_json": ""}
-        return value
+        k = int(found.rsplit("/", 1)[-1])
+        try:
+            return Verdict.loads(bytes(store.get(found)))
+        except VerdictError as exc:
+            return Verdict(status=None, incident=k, headline=f"(not a verdict: {exc.detail})",
+                           text="", verdict_json="")
 
     def page(self) -> tuple[str, str]:
         """``(summary, escaped report html)`` for the page."""
@@ -142,9 +144,9 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
         if verdict is None:
             return "No verdict yet: the recorder has not seen a hang in this job.", ""
         summary = html.escape(
-            f"Incident {verdict.get('incident')}: {verdict.get('headline')} "
-            f"(elected rank {verdict.get('elected_rank')} on {verdict.get('host')}; "
-            f"report {verdict.get('verdict_json')})")
+            f"Incident {verdict.incident}: {verdict.headline} "
+            f"(elected rank {verdict.elected_rank} on {verdict.host}; "
+            f"report {verdict.verdict_json})")
         report, why = self.report_path(verdict)
         body = None
         if report is not None:
@@ -155,7 +157,7 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
             except OSError as exc:
                 why = f"{report} is not readable from this host ({type(exc).__name__})"
         if body is None:
-            text = str(verdict.get("text", ""))
+            text = verdict.text or ""
             body = f"<pre>{html.escape(text)}</pre><p>{html.escape(why)}.</p>"
         return summary, html.escape(body, quote=True)
 
@@ -167,7 +169,7 @@ class VerdictHandler(DebugHandler):  # type: ignore[misc,unused-ignore]
 
     def dump(self) -> str | None:
         verdict = self.latest()
-        return None if verdict is None else json.dumps(verdict, indent=2)
+        return None if verdict is None else json.dumps(verdict.to_json(), indent=2)
 
     def dump_filename(self) -> str:
         return "frforensics_verdict"

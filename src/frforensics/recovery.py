@@ -43,12 +43,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from frforensics.errors import FrForensicsError
 from frforensics.failures import is_comm_failure, is_peer_loss
+from frforensics.verdict import (
+    EXIT_EXCLUDED,
+    SCHEMA,
+    Action,
+    Verdict,
+    VerdictError,
+    headline,
+    report_headline,
+)
 
 __all__ = [
     "EXIT_EXCLUDED",
@@ -70,8 +79,8 @@ __all__ = [
 
 log = logging.getLogger("frforensics.recovery")
 
-#: Exit code of a process told it was excluded from the job.
-EXIT_EXCLUDED = 79
+#: Exit code of a process told it was excluded from the job: ``EXIT_EXCLUDED`` (79),
+#: defined once in frforensics.verdict.
 _NS = "frforensics/recovery/"
 #: Set by frforensics-run in the standby processes it starts (``--spares``).
 ENV_STANDBY = "FRFORENSICS_STANDBY"
@@ -86,7 +95,8 @@ class RecoveryError(FrForensicsError):
     """Base of the recovery errors; ``verdicts`` holds the job verdicts involved."""
 
     def __init__(self, message: str, verdicts: Sequence[dict[str, Any]] = ()) -> None:
-        heads = [str(v.get("headline", "")) for v in verdicts if v]
+        # each verdict's headline, made by the one rule (frforensics.verdict.headline)
+        heads = [str(v.get("headline", "")) for v in verdicts if isinstance(v, dict) and v]
         full = message + "".join(f"\n  verdict: {h}" for h in heads if h)
         super().__init__(full)
         self.reason = message
@@ -417,12 +427,11 @@ def propose_exclusion(ranks: Sequence[int], reason: str) -> bool:
     proposal is the one stored.
     """
     st = state()
-    verdict = {"schema": "frforensics.verdict/1", "status": "planned",
-               "culprit_ranks": sorted({int(r) for r in ranks}),
-               "actions": [{"rank": int(r), "action": "replace_gpu_or_host",
-                            "because": "planned"} for r in sorted({int(r) for r in ranks})],
-               "headline": f"PLANNED — {reason}", "error": None}
-    raw = json.dumps(verdict)
+    named = sorted({int(r) for r in ranks})
+    raw = Verdict(status="planned", culprit_ranks=tuple(named),
+                  actions=tuple(Action(rank=r, action="replace_gpu_or_host", because="planned")
+                                for r in named),
+                  headline=headline("planned", reason)).dumps()
     try:
         got = st.store.compare_set(f"{st.uuid + 1}/plan", "", raw)
     except Exception as exc:
@@ -441,13 +450,19 @@ def exclude_stragglers(windows: int = 3) -> Callable[[dict[str, Any]], None]:
 
     def hook(doc: dict[str, Any]) -> None:
         if not isinstance(doc, dict) or doc.get("kind") != "straggler":
-            return
+            return  # a hang's verdict: the guard handles those
+        # Only the actions are read (a hook is handed whatever its caller built); each
+        # is checked as in any verdict (Action.from_json), a malformed one names nobody.
+        raw = doc.get("actions")
         named = set()
-        for a in doc.get("actions") or []:
-            if isinstance(a, dict) and a.get("action") == "replace_gpu_or_host":
-                r = a.get("rank")
-                if isinstance(r, int) and not isinstance(r, bool):
-                    named.add(r)
+        for i, entry in enumerate(raw if isinstance(raw, list) else []):
+            try:
+                a = Action.from_json(entry, f"actions[{i}]")
+            except VerdictError as exc:
+                log.warning("frforensics.recovery: straggler document: %s", exc)
+                continue
+            if a.action == "replace_gpu_or_host":
+                named.add(a.rank)
         for r in list(streak):
             if r not in named:
                 del streak[r]
@@ -559,11 +574,12 @@ def _agent_verdict(st: State) -> dict[str, Any] | None:
     ranks = sorted({int(r["rank"]) for r in dead})
     what = "; ".join(f"rank {r['rank']} on {r.get('host')} killed by {r['signal']} "
                      f"(exit code {r['exitcode']}, pid {r.get('pid')})" for r in dead)
-    return {"schema": "frforensics.verdict/1", "status": "dead", "culprit_ranks": ranks,
-            "actions": [{"rank": r, "action": "replace_gpu_or_host", "because": "killed"}
-                        for r in ranks],
-            "headline": f"DEAD — {what}: the OOM killer or the host (frforensics-run's agent)",
-            "evidence": records, "source": "frforensics-run", "error": None}
+    return Verdict(
+        status="dead", culprit_ranks=tuple(ranks),
+        actions=tuple(Action(rank=r, action="replace_gpu_or_host", because="killed")
+                      for r in ranks),
+        headline=headline("dead", f"{what}: the OOM killer or the host (frforensics-run's agent)"),
+        evidence=tuple(records), source="frforensics-run").to_json()
 
 
 def _wait_verdict(st: State, deadline: float, detail: str) -> dict[str, Any] | None:
@@ -622,44 +638,26 @@ def _wait_verdict_inner(st: State, deadline: float, detail: str) -> dict[str, An
     return v if isinstance(v, dict) else None
 
 
-def _action_rank(i: int, action: dict[str, Any], known: set[int]) -> int:
-    """The action's rank: an int (not a bool) naming a member this job had."""
-    if "rank" not in action:
-        raise RecoveryError(f"malformed verdict: actions[{i}].rank is missing")
-    rank = action["rank"]
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise RecoveryError(f"malformed verdict: actions[{i}].rank is {rank!r} "
-                            "(want an int member id)")
-    if rank not in known:
-        raise RecoveryError(f"malformed verdict: actions[{i}].rank {rank} is not a member "
+def _action_rank(i: int, action: Action, known: set[int]) -> int:
+    """The action's rank (an int, checked by ``Action.from_json``) naming a member this
+    job had."""
+    if action.rank not in known:
+        raise RecoveryError(f"malformed verdict: actions[{i}].rank {action.rank} is not a member "
                             f"of this job (members ever: {sorted(known)[:16]})")
-    return rank
+    return action.rank
 
 
 def _actions(verdict: Any, known: set[int]) -> list[tuple[int, str]]:
-    """(rank, action) of every action, or :class:`RecoveryError` naming the bad field."""
-    if not isinstance(verdict, dict):
-        raise RecoveryError(f"malformed verdict: {type(verdict).__name__}, not an object")
-    raw = verdict.get("actions")
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise RecoveryError(f"malformed verdict: actions is {type(raw).__name__}, not a list",
-                            [verdict])
-    out = []
-    for i, a in enumerate(raw):
-        if not isinstance(a, dict):
-            raise RecoveryError(f"malformed verdict: actions[{i}] is {type(a).__name__}, "
-                                "not an object", [verdict])
-        what = a.get("action")
-        if not isinstance(what, str):
-            raise RecoveryError(f"malformed verdict: actions[{i}].action is {what!r} "
-                                "(want a string)", [verdict])
-        try:
-            out.append((_action_rank(i, a, known), what))
-        except RecoveryError as exc:
-            raise RecoveryError(exc.reason, [verdict]) from None
-    return out
+    """(rank, action) of every action, or :class:`RecoveryError` naming the bad field
+    (``Verdict.from_json``'s message: ``actions[0].rank is 'two' (want an int member id)``)."""
+    try:
+        parsed = Verdict.from_json(verdict, require_schema=False)
+    except VerdictError as exc:
+        raise RecoveryError(str(exc), [verdict] if isinstance(verdict, dict) else []) from None
+    try:
+        return [(_action_rank(i, a, known), a.action) for i, a in enumerate(parsed.actions)]
+    except RecoveryError as exc:
+        raise RecoveryError(exc.reason, [verdict]) from None
 
 
 def exclusion_from(verdict: dict[str, Any], members: Sequence[int], *,
@@ -688,7 +686,7 @@ def exclusion_from(verdict: dict[str, Any], members: Sequence[int], *,
             "(a code bug: excluding ranks will not help)", [verdict])
     out = sorted({r for r, a in actions if a == "replace_gpu_or_host" and r in members})
     if not out:
-        status = verdict.get("status")
+        status = verdict.get("status")  # a dict: _actions checked it is one
         raise RecoveryRefused(
             f"not excluding anyone: the verdict (status {status}) names no rank to replace "
             f"(actions: {actions})", [verdict])
@@ -758,17 +756,15 @@ def verdict_from_dump_dir(dump_dir: str | os.PathLike[str], *, world_size: int,
                 capture_output=True, text=True, timeout=max(1.0, end - time.monotonic()),
                 check=False)
             report = json.loads(out.stdout)
+            # the report is a file: its status, culprits and actions are checked
+            found = Verdict.from_json({"schema": SCHEMA, "status": report.get("status"),
+                                       "culprit_ranks": report.get("culprit_ranks", []),
+                                       "actions": report.get("actions", [])})
         except Exception as exc:
-            return {"schema": "frforensics.verdict/1", "status": "error", "actions": [],
-                    "headline": f"no verdict: fr-analyze failed ({exc})", "error": str(exc)}
-        findings = report.get("findings") or [{}]
-        first = findings[0]
-        headline = (f"{str(report.get('status', '')).upper()} — {first.get('kind', '')}: "
-                    f"{first.get('message', '')}")
-        return {"schema": "frforensics.verdict/1", "status": report.get("status"),
-                "culprit_ranks": report.get("culprit_ranks", []),
-                "actions": report.get("actions", []), "headline": headline,
-                "text": headline, "source": str(directory), "error": None}
+            return Verdict(status="error", headline=headline("error", f"fr-analyze failed ({exc})"),
+                           error=str(exc)).to_json()
+        head = report_headline(report)
+        return replace(found, headline=head, text=head, source=str(directory)).to_json()
 
     return source
 

@@ -60,8 +60,8 @@ __all__ = [
 
 #: Exit code of every rank after the verdict with ``abort_after_verdict``
 #: (``FRFORENSICS_ABORT_AFTER_VERDICT=1``); ``EXIT_NO_VERDICT`` when none could be had.
-EXIT_VERDICT = 75
-EXIT_NO_VERDICT = 76
+#: Defined once, in frforensics.verdict (75 and 76).
+from frforensics.verdict import EXIT_NO_VERDICT, EXIT_VERDICT
 
 _C = RecorderConfig  # the defaults below are RecorderConfig's, read from the class
 

@@ -38,8 +38,11 @@ import numpy as np
 from frforensics.formats import frdump
 from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.recorder import _ring as R
+from frforensics.verdict import STRAGGLERS_SCHEMA, StragglerReport
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from frforensics.recorder._core import Recorder
     from frforensics.recorder._verdict import VerdictAgent
 
@@ -101,6 +104,23 @@ def decode_round(blob: bytes) -> dict[str, np.ndarray] | None:
                 "op": np.asarray([names[i] for i in o.tolist()], dtype=object)}
     except (ValueError, KeyError, TypeError, zlib.error):
         return None
+
+
+def straggler_report(report: dict[str, Any], round_: int, dump_dir: Path,
+                     now_ns: int) -> StragglerReport:
+    """The ``frforensics.stragglers/1`` document of one round from the analysis child's
+    JSON report: its straggler findings and their actions (``because: straggler``).
+    The report is a file: what is read is checked (``StragglerReport.from_json``;
+    ``VerdictError`` names the field when it is not the contract)."""
+    found = [f for f in report.get("findings", []) if isinstance(f, dict)
+             and f.get("kind") == "straggler"]
+    return StragglerReport.from_json({
+        "schema": STRAGGLERS_SCHEMA, "kind": "straggler", "round": round_, "time_ns": now_ns,
+        "findings": found,
+        "actions": [a for a in report.get("actions", [])
+                    if isinstance(a, dict) and a.get("because") == "straggler"],
+        "culprit_ranks": sorted({r for f in found for r in f.get("culprit_ranks", [])}),
+        "stragglers_json": str(dump_dir / "stragglers.json")})
 
 
 class LiveStragglers(threading.Thread):
@@ -227,6 +247,10 @@ class LiveStragglers(threading.Thread):
         with contextlib.suppress(Exception):
             store.set("live/stragglers", json.dumps(doc))
         self.agent.run_hooks(doc, str(doc["stragglers_json"]))
+
+    def _document(self, report: dict[str, Any]) -> StragglerReport:
+        """This round's straggler document (:func:`straggler_report`)."""
+        return straggler_report(report, self.rounds, self.rec.config.dump_dir, time.time_ns())
 
     def _trace(self, r: int) -> RankTrace:
         w = self.windows[r]

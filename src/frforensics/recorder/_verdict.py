@@ -41,12 +41,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from frforensics._atomic import safe_dir, write_atomic
 from frforensics.model import DumpReason, RankTrace
+from frforensics.verdict import (
+    EXIT_NO_VERDICT,
+    EXIT_VERDICT,
+    SCHEMA,
+    Verdict,
+    VerdictError,
+    headline,
+    report_headline,
+)
 
 if TYPE_CHECKING:
     from frforensics.recorder._core import Recorder
@@ -55,12 +64,6 @@ if TYPE_CHECKING:
 __all__ = ["EXIT_NO_VERDICT", "EXIT_VERDICT", "SCHEMA", "VerdictAgent"]
 
 log = logging.getLogger("frforensics.recorder")
-
-SCHEMA: Final = "frforensics.verdict/1"
-#: Exit code of every rank after the verdict, with ``abort_after_verdict``.
-EXIT_VERDICT: Final = 75
-#: Exit code with ``abort_after_verdict`` when no verdict could be had.
-EXIT_NO_VERDICT: Final = 76
 
 _HANG = (DumpReason.WATCHDOG_TIMEOUT, DumpReason.PEER_SIGNAL)
 _DEATH = (DumpReason.EXCEPTION, DumpReason.EXIT)
@@ -98,28 +101,13 @@ def _rank_of(raw: Any, world: int) -> int | None:
     return int(text)
 
 
-def check_verdict(raw: Any) -> tuple[dict[str, Any] | None, str]:
-    """The verdict document of the store key, typed, or ``(None, why)``."""
+def check_verdict(raw: Any) -> tuple[Verdict | None, str]:
+    """The verdict document of the store key, typed, or ``(None, why)``
+    (``Verdict.loads``: at most 4 Mi characters of JSON, every field checked)."""
     try:
-        text = _text(raw)
-        if len(text) > 1 << 22:
-            return None, f"{len(text)} characters"
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        return None, f"not JSON: {str(exc)[:100]}"
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        return None, f"not a {SCHEMA} document"
-    culprits = doc.setdefault("culprit_ranks", [])
-    if not (isinstance(culprits, list) and all(type(r) is int and r >= 0 for r in culprits)):
-        return None, "culprit_ranks is not a list of ranks"
-    actions = doc.setdefault("actions", [])
-    if not (isinstance(actions, list) and all(isinstance(a, dict) for a in actions)):
-        return None, "actions is not a list of objects"
-    for name in ("headline", "text", "verdict_json"):
-        if not isinstance(doc.setdefault(name, ""), str):
-            return None, f"{name} is not a string"
-    return doc, ""
-
+        return Verdict.loads(_text(raw) if not isinstance(raw, bytes) else raw), ""
+    except VerdictError as exc:
+        return None, exc.detail
 
 def check_record(raw: Any, rank: int) -> tuple[dict[str, Any] | None, str]:
     """A peer's ``dumped`` record, typed, or ``(None, why)``: a JSON object whose
@@ -148,6 +136,35 @@ def check_record(raw: Any, rank: int) -> tuple[dict[str, Any] | None, str]:
         if not isinstance(doc.get(name, ""), str | None):
             return None, f"dumped record's {name} is not a string: skipped"
     return doc, ""
+
+
+def compact(k: int, report: dict[str, Any] | None, text: str, inputs: dict[str, Any],
+            error: str | None, dump_dir: Path, *, elected_rank: int | None, host: str,
+            digest_bytes: dict[str, int], flag_ns: int | None, now_ns: int) -> Verdict:
+    """The verdict of incident ``k`` (the store key's document) from the analysis
+    child's report and printed ``text`` (``report`` None: it failed, ``error`` says
+    why). The report is a file: its status, culprits and actions are checked as any
+    verdict's (``Verdict.from_json``); one that is not the contract is an error verdict."""
+    block = text.split("\n\n", 1)[0].strip("\n")
+    found = Verdict(status="error")
+    if report is not None and error is None:
+        try:
+            found = Verdict.from_json({"schema": SCHEMA, "status": report.get("status"),
+                                       "culprit_ranks": report.get("culprit_ranks", []),
+                                       "actions": report.get("actions", [])})
+        except (VerdictError, AttributeError) as exc:
+            error = f"the analysis wrote a report that is not one ({exc})"
+            found = Verdict(status="error")
+    # the one headline rule (verdict.report_headline: the text block's first line,
+    # never cut where the terminal wrapped it)
+    head = (report_headline(report) if report is not None and error is None
+            else headline("error", error or "the analysis wrote no verdict"))
+    return replace(
+        found, incident=k, headline=head, text=block, elected_rank=elected_rank, host=host,
+        verdict_json=str(dump_dir / "verdict.json"), verdict_txt=str(dump_dir / "verdict.txt"),
+        inputs=inputs, digest_bytes=dict(digest_bytes), time_ns=now_ns,
+        seconds_after_flag=None if flag_ns is None else round((now_ns - flag_ns) / 1e9, 3),
+        error=error)
 
 
 class VerdictAgent(threading.Thread):
@@ -443,7 +460,7 @@ class VerdictAgent(threading.Thread):
             verdict = self._compact(inc.k, None, "", {"files": [], "digests": [], "none": [],
                                                       "skipped": []}, str(exc), dump_dir)
             with contextlib.suppress(Exception):
-                store.set(f"verdict/{inc.k}", json.dumps(verdict))
+                store.set(f"verdict/{inc.k}", verdict.dumps())
             self._no_verdict(inc, f"cannot prepare the analysis: {exc}", None)
             return
         cmd = [sys.executable, "-m", "frforensics", "verdict", "--paths-from", str(listing),
@@ -469,21 +486,22 @@ class VerdictAgent(threading.Thread):
             error = f"the analysis took longer than {self.config.verdict_timeout_s:g} s"
         except (OSError, ValueError) as exc:
             error = f"the analysis could not run: {type(exc).__name__}: {exc}"
-        verdict = self._compact(inc.k, report, text, inputs, error, dump_dir)
-        verdict["analysis_s"] = round(time.monotonic() - t0, 3)
+        verdict = replace(self._compact(inc.k, report, text, inputs, error, dump_dir),
+                          analysis_s=round(time.monotonic() - t0, 3))
+        error = verdict.error
         try:
-            store.set(f"verdict/{inc.k}", json.dumps(verdict))
+            store.set(f"verdict/{inc.k}", verdict.dumps())
         except Exception as exc:
             rec.note_error("verdict store key", exc)
-        block = verdict["text"] if error is None else f"no report: {error}"
+        block = (verdict.text or "") if error is None else f"no report: {error}"
         with contextlib.suppress(Exception):
             sys.stderr.write(
                 f"frforensics: verdict (incident {inc.k}, elected rank {rec.rank}, "
-                f"{verdict['seconds_after_flag']} s after the dump flag; "
+                f"{verdict.seconds_after_flag} s after the dump flag; "
                 f"{len(inputs['files'])} dump file(s), {len(inputs['digests'])} store digest(s)):\n"
-                f"{block.rstrip()}\n  Report:   {verdict['verdict_json']}\n")
+                f"{block.rstrip()}\n  Report:   {verdict.verdict_json}\n")
             sys.stderr.flush()
-        self.run_hooks(verdict, str(verdict["verdict_json"]))
+        self.run_hooks(verdict.to_json(), str(verdict.verdict_json))
         self._learn(inc, verdict, elected=True)
 
     def _inputs(self, k: int, store: Any, world: int,
@@ -586,34 +604,17 @@ class VerdictAgent(threading.Thread):
                        "skipped": skipped}
 
     def _compact(self, k: int, report: dict[str, Any] | None, text: str,
-                 inputs: dict[str, Any], error: str | None, dump_dir: Path) -> dict[str, Any]:
+                 inputs: dict[str, Any], error: str | None, dump_dir: Path) -> Verdict:
         rec = self.rec
-        block = text.split("\n\n", 1)[0].strip("\n")
         flag_ns = None
         with contextlib.suppress(Exception):
             flag = self._store().get(rec.flag_key) if rec.store is not None else None
             flag_ns = int(json.loads(_text(flag)).get("time_ns")) if flag is not None else None
-        now = time.time_ns()
         from frforensics.recorder._core import host_name
 
-        return {
-            "schema": SCHEMA,
-            "incident": k,
-            "status": "error" if report is None else report.get("status"),
-            "culprit_ranks": [] if report is None else report.get("culprit_ranks", []),
-            "actions": [] if report is None else report.get("actions", []),
-            "headline": block.splitlines()[0] if block else (error or ""),
-            "text": block,
-            "elected_rank": rec.rank,
-            "host": host_name(),
-            "verdict_json": str(dump_dir / "verdict.json"),
-            "verdict_txt": str(dump_dir / "verdict.txt"),
-            "inputs": inputs,
-            "digest_bytes": self.digest_bytes,
-            "time_ns": now,
-            "seconds_after_flag": None if flag_ns is None else round((now - flag_ns) / 1e9, 3),
-            "error": error,
-        }
+        return compact(k, report, text, inputs, error, dump_dir, elected_rank=rec.rank,
+                       host=host_name(), digest_bytes=self.digest_bytes, flag_ns=flag_ns,
+                       now_ns=time.time_ns())
 
     # ------------------------------------------------------------ after the verdict
 
@@ -654,21 +655,20 @@ class VerdictAgent(threading.Thread):
                 log.warning("frforensics: %s failed: %s: %s", what, type(failure[0]).__name__,
                             failure[0])
 
-    def _learn(self, inc: _Incident, verdict: dict[str, Any], *, elected: bool) -> None:
-        inc.verdict = verdict
-        self.last = verdict
+    def _learn(self, inc: _Incident, verdict: Verdict, *, elected: bool) -> None:
+        doc = verdict.to_json()  # what the API and the listeners receive (a plain dict)
+        inc.verdict = doc
+        self.last = doc
         if not elected:
             with contextlib.suppress(Exception):
-                acts = ", ".join(f"rank {a.get('rank')}: {a.get('action')}"
-                                 for a in verdict.get("actions", [])[:8])
-                culprits = ", ".join(str(r) for r in verdict.get("culprit_ranks", [])[:32])
+                acts = ", ".join(f"rank {a.rank}: {a.action}" for a in verdict.actions[:8])
+                culprits = ", ".join(str(r) for r in verdict.culprit_ranks[:32])
                 log.warning("frforensics: verdict by rank %s on %s: %s — culprits [%s] (%s) — %s "
                             "(store key %s/verdict/%s)",
-                            verdict.get("elected_rank"), verdict.get("host"),
-                            verdict.get("headline"), culprits, acts, verdict.get("verdict_json"),
-                            self.rec.namespace, inc.k)
+                            verdict.elected_rank, verdict.host, verdict.headline, culprits, acts,
+                            verdict.verdict_json, self.rec.namespace, inc.k)
         for fn in list(self.listeners):
-            self._bounded("verdict listener", lambda fn=fn: fn(dict(verdict)))  # type: ignore[misc]
+            self._bounded("verdict listener", lambda fn=fn: fn(dict(doc)))  # type: ignore[misc]
         inc.done.set()
         if self.config.abort_after_verdict:
             # Every rank exits at the same wall-clock time, so a launcher that tears
