@@ -257,6 +257,8 @@ class Recovery:
     (-1 and the members' count in a standby).
     """
 
+    __slots__ = ("_state",)
+
     def __init__(self, state: State) -> None:
         self._state = state
 
