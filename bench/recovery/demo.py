@@ -36,30 +36,30 @@ recorder.enable(DUMP_DIR, timeout_s=3.0, store_poll_interval_s=0.2)
 dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
 source = (recovery.verdict_from_dump_dir(DUMP_DIR, world_size=world)
           if os.environ["DEMO_SOURCE"] == "dir" else None)  # None: the job's own verdict
-recovery.setup(options=recovery.Options(
-    verdict_timeout_s=25, arrival_timeout_s=8, reconfigure_timeout_s=8, verdict_source=source))
+rec = recovery.setup(options=recovery.Options(
+    verdict_timeout_s=25, arrival_timeout_s=8, reconfigure_timeout_s=8), source=source)
 def say(msg): print(f"{time.time():.3f} step-log rank {rank}: {msg}", flush=True)
 step, after = 0, 0
 while after < 20:
     if rank == 2 and step == 5:
         say("freezing (SIGSTOP)" if MODE == "stop" else "dying (SIGKILL)")
         os.kill(os.getpid(), signal.SIGSTOP if MODE == "stop" else signal.SIGKILL)
-    with recovery.guard() as g:
+    with rec.guard() as g:
         x = torch.tensor([float(rank + 1)])
         dist.all_reduce(x)
-        assert x.item() == sum(m + 1 for m in recovery.state().members)
+        assert x.item() == sum(m + 1 for m in rec.members)
     if g.reconfigured:
         say(f"RECONFIGURED: rank {g.rank} of {g.world_size}, excluded {g.excluded}, "
             f"recovery took {g.seconds:.2f} s after the step failed")
         continue
-    if recovery.state().history:
+    if rec.history:
         if after == 0:
             say(f"first step after recovery done (step {step}, sum {x.item():g})")
         after += 1
     elif step in (0, 4):
         say(f"step {step} done (sum {x.item():g})")
     step += 1
-say(f"20 steps after recovery done; members {recovery.state().members}")
+say(f"20 steps after recovery done; members {rec.members}")
 rel = os.path.join(os.path.dirname(DUMP_DIR), "release")
 end = time.monotonic() + 30
 while not os.path.exists(rel) and time.monotonic() < end:

@@ -39,21 +39,21 @@ from frforensics import recovery
 OUT = os.environ["BENCH_OUT"]
 recorder.enable(os.path.join(OUT, "dumps"), timeout_s=3.0, store_poll_interval_s=0.2)
 dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
-st = recovery.setup(options=recovery.Options(verdict_timeout_s=25, arrival_timeout_s=8,
-                                             reconfigure_timeout_s=8))
+rec = recovery.setup(options=recovery.Options(verdict_timeout_s=25, arrival_timeout_s=8,
+                                              reconfigure_timeout_s=8))
 step, after = 0, 0
 while after < 5:
-    if st.me == 2 and step == 5:
+    if rec.me == 2 and step == 5:
         open(os.path.join(OUT, "killed"), "w").write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
-    with recovery.guard() as g:
+    with rec.guard() as g:
         x = torch.ones(1)
         dist.all_reduce(x)
     if g.reconfigured:
         continue
-    if st.history:
+    if rec.history:
         if after == 0:
-            open(os.path.join(OUT, f"first_{st.me}"), "w").write(repr(time.time()))
+            open(os.path.join(OUT, f"first_{rec.me}"), "w").write(repr(time.time()))
         after += 1
     step += 1
 sys.stdout.flush()

@@ -8,12 +8,24 @@ measured mechanics this module is built on and a real job log.
 ::
 
     dist.init_process_group("gloo", enable_reconfigure=True, timeout=timedelta(seconds=10))
-    recovery.setup()                       # first configuration, all ranks (or spares=1)
+    rec = recovery.setup()                 # first configuration, all ranks (or spares=1)
     for step in ...:
-        with recovery.guard() as g:
+        with rec.guard() as g:
             train_step()
         if g.reconfigured:
             reshard(g.rank, g.world_size)
+    rec.close()
+
+:func:`setup` returns the :class:`Recovery` you hold (torchft's ``Manager`` shape:
+one object made once, driven by the training loop, ``close()`` at the end). It
+takes a :class:`VerdictSource` -- where the verdict comes from: the recorder's
+(``frforensics.recorder.RecorderVerdicts``, the default) or
+:func:`verdict_from_dump_dir` -- and tells the recorder (a :class:`JobRecorder`)
+about every re-formed group. The module functions :func:`guard`,
+:func:`run_step`, :func:`new_group`, :func:`propose_exclusion`, :func:`standby`
+and :func:`state` are thin wrappers over the Recovery that :func:`setup` made
+last (the default process group it reconfigures is one per process, so is the
+Recovery); the ``on_verdict`` hook :func:`exclude_stragglers` uses them.
 
 What happens when a step fails (the blocked collective times out after the group's
 timeout, or fails because a peer died): the guard waits for the job's verdict
@@ -45,10 +57,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from frforensics.errors import FrForensicsError
-from frforensics.failures import is_comm_failure, is_peer_loss
+from frforensics.failures import is_comm_failure
 from frforensics.verdict import (
     EXIT_EXCLUDED,
     SCHEMA,
@@ -62,10 +74,16 @@ from frforensics.verdict import (
 __all__ = [
     "EXIT_EXCLUDED",
     "Guard",
+    "JobRecorder",
+    "Options",
+    "Recovery",
     "RecoveryError",
     "RecoveryFailed",
     "RecoveryRefused",
     "RecoveryUnavailable",
+    "State",
+    "VerdictSource",
+    "available",
     "exclude_stragglers",
     "guard",
     "new_group",
@@ -140,6 +158,42 @@ def available() -> str | None:
     return None
 
 
+class VerdictSource(Protocol):
+    """Where a recovery gets the job's verdict when a step failed.
+
+    ``source(timeout_s, detail)``: the verdict (a ``frforensics.verdict/1`` dict)
+    within ``timeout_s`` seconds, or None when there is none (then recovery fails
+    with "no verdict", never guessing whom to exclude). ``detail`` says what failed
+    (``"recovery: DistBackendError: ..."``). Two come with frforensics: the
+    recorder's (``frforensics.recorder.RecorderVerdicts``, the default) and
+    :func:`verdict_from_dump_dir`; a plain function of the same shape is one too.
+    Exceptions it raises are logged and count as no verdict.
+    """
+
+    def __call__(self, timeout_s: float, detail: str, /) -> dict[str, Any] | None: ...
+
+
+class JobRecorder(VerdictSource, Protocol):
+    """What recovery tells the job's recorder, and asks it, beyond the verdict.
+
+    ``frforensics.recorder.RecorderVerdicts`` (recorder/_source.py) is the one
+    implementation; none of its methods raises.
+    """
+
+    def settle_s(self, detail: str) -> float:
+        """Seconds to wait before asking for the verdict after the failure ``detail``."""
+        ...
+
+    def note_reconfigure(self, group: Any, *, uuid: int, old_members: Sequence[int],
+                         members: Sequence[int], reason: str) -> None:
+        """``group`` was re-formed over ``members`` (member ids)."""
+        ...
+
+    def next_incident(self) -> None:
+        """A recovery ended the incident: the next hang is a new one."""
+        ...
+
+
 @dataclass
 class Options:
     """Bounds of one recovery, in seconds."""
@@ -149,9 +203,9 @@ class Options:
     reconfigure_timeout_s: float = 20.0
     check_timeout_s: float = 10.0
     exit_excluded: bool = True
-    #: Where the verdict comes from: ``fn(timeout_s, detail) -> verdict dict | None``.
-    #: None: the recorder's verdict at hang time (``frforensics.recorder``).
-    verdict_source: Callable[[float, str], dict[str, Any] | None] | None = None
+    #: Where the verdict comes from (a :class:`VerdictSource`); the same as
+    #: ``setup(source=...)``. None: the recorder's verdict at hang time.
+    verdict_source: VerdictSource | None = None
     #: The most ranks this job may exclude over its life (None: no limit).
     max_exclusions: int | None = None
     #: Never exclude below this many survivors (standbys not counted).
@@ -197,16 +251,148 @@ class State:
     steps: int = 0
     #: Planned exclusions already refused (their store value), not tried again.
     refused_plans: set[bytes] = field(default_factory=set)
+    #: Where this job's verdicts come from (None: nowhere; recovery then fails).
+    source: VerdictSource | None = None
+    #: The job's recorder, told about re-formed groups (None: not importable).
+    recorder: JobRecorder | None = None
 
 
-_state: State | None = None
+class Recovery:
+    """The job's recovery, made by :func:`setup`: hold it, guard each step, close it.
+
+    Its :class:`State` (``.state``) is its own; the module functions act on the
+    one :func:`setup` made last. ``members``/``me``/``spares``/``history``/``uuid``
+    read that state (member ids: the global ranks of ``init_process_group``);
+    ``rank``/``world_size`` are this process's place in the current group
+    (-1 and the members' count in a standby).
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def me(self) -> int:
+        """This process's member id (its rank at ``init_process_group``)."""
+        return self._state.me
+
+    @property
+    def members(self) -> list[int]:
+        """The current members (member ids, in group-rank order)."""
+        return self._state.members
+
+    @property
+    def spares(self) -> list[int]:
+        """Standbys not yet admitted (member ids)."""
+        return self._state.spares
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One record per completed reconfiguration (uuid, old members, excluded...)."""
+        return self._state.history
+
+    @property
+    def uuid(self) -> int:
+        """The current configuration's number (1: the first)."""
+        return self._state.uuid
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the current group (-1: not a member)."""
+        return _current_rank(self._state)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._state.members)
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
+
+    def guard(self) -> contextlib.AbstractContextManager[Guard]:
+        """Guard one training step (see the module doc and :func:`guard`)."""
+        return _guard(self._live())
+
+    def run_step(self, fn: Callable[[], T]) -> tuple[T | None, Guard]:
+        """``fn()`` under :meth:`guard`; returns (its result or None after a recovery, guard)."""
+        result: T | None = None
+        with self.guard() as g:
+            result = fn()
+        return result, g
+
+    def new_group(self, ranks: Sequence[int], **kwargs: Any) -> Any:
+        """``dist.new_group`` whose membership the guard keeps (re-formed on exclusion).
+
+        ``ranks`` are member ids; every process of the current group calls it, as
+        with ``dist.new_group``.
+        """
+        st = self._live()
+        _, dist, _ = _torch()
+        group = dist.new_group(list(ranks), **kwargs)
+        st.subgroups.append(_Sub(group, list(ranks)))
+        return group
+
+    def propose_exclusion(self, ranks: Sequence[int], reason: str) -> bool:
+        """Propose excluding ``ranks`` at the next planned check (:func:`propose_exclusion`)."""
+        self._live()
+        if _current is not self:
+            raise RecoveryError("this Recovery is not the process's current one "
+                                "(a later setup() replaced it)")
+        return propose_exclusion(ranks, reason)
+
+    def standby(self, *, timeout_s: float | None = None) -> Guard:
+        """In a spare process: wait until a recovery admits it; returns its place.
+
+        Raises :class:`RecoveryFailed` when ``timeout_s`` passes first.
+        """
+        return _standby(self._live(), timeout_s)
+
+    def close(self) -> None:
+        """Stop watching the store (the exclusion watcher ends); idempotent.
+
+        The groups stay as they are; guarding a step afterwards raises
+        :class:`RecoveryError`.
+        """
+        global _current
+        self._state.closed = True
+        if _current is self:
+            _current = None
+
+    def __enter__(self) -> Recovery:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        st = self._state
+        return (f"Recovery(me={st.me}, members={st.members}, uuid={st.uuid}, "
+                f"spares={st.spares}{', closed' if st.closed else ''})")
+
+    def _live(self) -> State:
+        if self._state.closed:
+            raise RecoveryError("this Recovery was closed")
+        return self._state
+
+
+#: The Recovery setup() made last (the module functions act on it).
+_current: Recovery | None = None
+
+
+def _require() -> Recovery:
+    if _current is None:
+        raise RecoveryError("frforensics.recovery.setup() was not called")
+    return _current
 
 
 def state() -> State:
     """The current membership state; :class:`RecoveryError` before :func:`setup`."""
-    if _state is None:
-        raise RecoveryError("frforensics.recovery.setup() was not called")
-    return _state
+    return _require().state
 
 
 # ---------------------------------------------------------------- store helpers
@@ -284,15 +470,22 @@ def _reconfigure(uuid: int, handles: list[str], group: Any, timeout_s: float) ->
 
 # ---------------------------------------------------------------- setup
 
-def setup(*, spares: int = 0, options: Options | None = None) -> State:
+def setup(*, spares: int = 0, options: Options | None = None,
+          source: VerdictSource | None = None,
+          recorder: JobRecorder | None = None) -> Recovery:
     """First configuration of the default group (collective over every process).
 
     Call right after ``init_process_group(..., enable_reconfigure=True)``. The
-    last ``spares`` processes become standbys (call :func:`standby` there); the
-    others form the group. Returns the state; raises :class:`RecoveryUnavailable`
-    on torch < 2.15 or a group created without ``enable_reconfigure=True``.
+    last ``spares`` processes become standbys (call :meth:`Recovery.standby`
+    there); the others form the group. ``source``: where verdicts come from
+    (default ``options.verdict_source``, else ``recorder``); ``recorder``: the
+    job's recorder (default ``frforensics.recorder.RecorderVerdicts()``, which
+    does nothing while the recorder is off). Returns the :class:`Recovery`
+    (and makes it the one the module functions use; a previous one is closed);
+    raises :class:`RecoveryUnavailable` on torch < 2.15 or a group created
+    without ``enable_reconfigure=True``.
     """
-    global _state
+    global _current
     why = available()
     if why is not None:
         raise RecoveryUnavailable(why)
@@ -302,6 +495,17 @@ def setup(*, spares: int = 0, options: Options | None = None) -> State:
         raise RecoveryUnavailable("the default group's backend cannot reconfigure "
                                   "(init_process_group(..., enable_reconfigure=True))")
     opts = options or Options()
+    if source is not None and opts.verdict_source is not None \
+            and source is not opts.verdict_source:
+        raise RecoveryError("two verdict sources: setup(source=...) and "
+                            "Options(verdict_source=...); give one")
+    if recorder is None:
+        from frforensics.recorder import RecorderVerdicts
+
+        recorder = RecorderVerdicts()
+    source = source or opts.verdict_source or recorder
+    if _current is not None:
+        _current.close()
     store = job_store(c10d._get_default_store(),
                       os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     me, world = pg.rank(), pg.size()
@@ -320,20 +524,20 @@ def setup(*, spares: int = 0, options: Options | None = None) -> State:
         st = State(me=me, members=members, uuid=uuid, store=store, options=opts,
                    restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
                    spares=[me], known=set(range(job_world)) | set(members) | {me},
-                   store_host=host)
-        _state = st
+                   store_host=host, source=source, recorder=recorder)
+        _current = Recovery(st)
         _add(store, "standbys", 1)
         threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
                          daemon=True).start()
-        return st
+        return _current
     if not 0 <= spares < world:
         raise RecoveryError(f"spares={spares} leaves no active rank in a world of {world}")
     members = list(range(world - spares))
     st = State(me=me, members=members, uuid=1, store=store, options=opts,
                restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
                spares=list(range(world - spares, world)), known=set(range(world)),
-               store_host=host)
-    _state = st
+               store_host=host, source=source, recorder=recorder)
+    made = _current = Recovery(st)
     if me in st.spares:
         _add(store, "standbys", 1)
     if me == 0:
@@ -350,23 +554,15 @@ def setup(*, spares: int = 0, options: Options | None = None) -> State:
                                      f"{opts.arrival_timeout_s:g} s")
             handles.append(raw.decode())
         _reconfigure(1, handles, None, opts.reconfigure_timeout_s)
-    _tell_recorder(pg, 1, list(range(world)), members, "first configuration")
+    _tell_recorder(st, pg, 1, list(range(world)), members, "first configuration")
     threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
                      daemon=True).start()
-    return st
+    return made
 
 
 def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
-    """``dist.new_group`` whose membership the guard keeps (re-formed on exclusion).
-
-    ``ranks`` are member ids; every process of the current group calls it, as
-    with ``dist.new_group``.
-    """
-    st = state()
-    _, dist, _ = _torch()
-    group = dist.new_group(list(ranks), **kwargs)
-    st.subgroups.append(_Sub(group, list(ranks)))
-    return group
+    """:meth:`Recovery.new_group` of the Recovery :func:`setup` made."""
+    return _require().new_group(ranks, **kwargs)
 
 
 # ---------------------------------------------------------------- the guard
@@ -396,15 +592,19 @@ def _is_comm_failure(exc: BaseException) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def guard() -> Iterator[Guard]:
+def guard() -> contextlib.AbstractContextManager[Guard]:
     """Run a training step; on a failed collective, recover (see the module doc).
 
     The step's own exception is swallowed only when recovery succeeded
     (``g.reconfigured``); otherwise :class:`RecoveryRefused` or
     :class:`RecoveryFailed` is raised from it. Other exceptions pass through.
+    :meth:`Recovery.guard` of the Recovery :func:`setup` made.
     """
-    st = state()
+    return _require().guard()
+
+
+@contextlib.contextmanager
+def _guard(st: State) -> Iterator[Guard]:
     g = Guard(rank=_current_rank(st), world_size=len(st.members))
     try:
         yield g
@@ -412,7 +612,7 @@ def guard() -> Iterator[Guard]:
         if not _is_comm_failure(exc):
             raise
         g.error = exc
-        recover(g, cause=exc)
+        recover(st, g, cause=exc)
         return
     _planned_check(st, g)
 
@@ -507,7 +707,7 @@ def _planned_check(st: State, g: Guard) -> None:
     except ValueError as exc:
         raise RecoveryError(f"malformed planned exclusion ({key}): {exc}") from None
     try:
-        recover(g, planned=planned)
+        recover(st, g, planned=planned)
     except RecoveryRefused as exc:
         st.refused_plans.add(raw)
         _say(st, f"planned exclusion refused, training on: {exc.reason}")
@@ -515,10 +715,7 @@ def _planned_check(st: State, g: Guard) -> None:
 
 def run_step(fn: Callable[[], T]) -> tuple[T | None, Guard]:
     """``fn()`` under :func:`guard`; returns (its result or None after a recovery, guard)."""
-    result: T | None = None
-    with guard() as g:
-        result = fn()
-    return result, g
+    return _require().run_step(fn)
 
 
 def _current_rank(st: State) -> int:
@@ -607,34 +804,26 @@ def _wait_verdict_inner(st: State, deadline: float, detail: str) -> dict[str, An
     fast = _under_agent_poll(st, 0.0)
     if fast is not None:
         return fast
-    if st.options.verdict_source is not None:
-        try:
-            return st.options.verdict_source(max(0.0, deadline - time.monotonic()), detail)
-        except Exception as exc:
-            _say(st, f"the verdict source failed: {exc}")
-            return None
-    try:
-        import frforensics.recorder as recorder
-    except Exception:
+    source, rec = st.source, st.recorder
+    if source is None:
         return None
-    request = getattr(recorder, "request_verdict", None)
-    wait = getattr(recorder, "wait_verdict", None)
-    if request is None or wait is None or not recorder.is_enabled():
-        return None
-    if is_peer_loss(detail):
+    if rec is not None and source is rec:
         # The op failed at once because a peer died: give the dead peer's heartbeat
         # time to go stale first, so the dumps the verdict reads name it (dead_rank)
-        # rather than a rank merely missing (the recorder's excepthook does the same).
-        with contextlib.suppress(Exception):
-            config = recorder.session().rec.config  # type: ignore[union-attr]
-            settle = min(float(config.stale_limit_s) + float(config.store_poll_interval_s), 10.0)
-            fast = _under_agent_poll(st, max(0.0, min(settle, deadline - time.monotonic())))
+        # rather than a rank merely missing (the recorder's excepthook does the same);
+        # frforensics-run's agent may name it meanwhile (a SIGKILL).
+        settle_end = time.monotonic() + max(0.0, min(rec.settle_s(detail),
+                                                     deadline - time.monotonic()))
+        if settle_end > time.monotonic():
+            fast = _under_agent_poll(st, settle_end - time.monotonic())
             if fast is not None:
                 return fast
-            time.sleep(max(0.0, min(settle, deadline - time.monotonic())))
-    with contextlib.suppress(Exception):
-        request(detail)
-    v = wait(max(0.0, deadline - time.monotonic()))
+            time.sleep(max(0.0, settle_end - time.monotonic()))
+    try:
+        v = source(max(0.0, deadline - time.monotonic()), detail)
+    except Exception as exc:
+        _say(st, f"the verdict source failed: {exc}")
+        return None
     return v if isinstance(v, dict) else None
 
 
@@ -793,14 +982,13 @@ def _agree_on_verdict(st: State, uuid: int, local: dict[str, Any] | None,
 
 # ---------------------------------------------------------------- recovery
 
-def recover(g: Guard, *, cause: BaseException | None = None,
+def recover(st: State, g: Guard, *, cause: BaseException | None = None,
             planned: dict[str, Any] | None = None) -> None:
     """Exclude the verdict's culprits and re-form the groups (called by the guard).
 
     ``planned``: the verdict of a planned exclusion (no step failed; a refusal
     leaves the job running, so it does not tell frforensics-run to fail the job).
     """
-    st = state()
     t0 = time.monotonic()
     opts = st.options
     with st.lock:
@@ -905,7 +1093,7 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
     st.members, st.uuid = members, uuid
     st.known.update(members)
     st.steps = 0
-    _tell_recorder(c10d._get_default_group(), uuid, old, members,
+    _tell_recorder(st, c10d._get_default_group(), uuid, old, members,
                    str(decision.get("reason", ""))[:300])
     _reform_subgroups(st, excluded, uuid, verdict)
     # Prove the new group works: every member adds its member id + 1.
@@ -952,7 +1140,7 @@ def _reform_subgroups(st: State, excluded: list[int], uuid: int,
             _reconfigure(uuid, handles, sub.group, opts.reconfigure_timeout_s)
         except Exception as exc:
             raise RecoveryFailed(f"subgroup {keep}: reconfigure failed: {exc}", [verdict]) from exc
-        _tell_recorder(sub.group, uuid, before, keep, f"excluded {excluded}")
+        _tell_recorder(st, sub.group, uuid, before, keep, f"excluded {excluded}")
 
 
 def _admit_spares(st: State, uuid: int, wanted: int,
@@ -991,50 +1179,35 @@ def _admit_spares(st: State, uuid: int, wanted: int,
 
 
 def _later_verdicts(st: State) -> list[dict[str, Any]]:
-    """A verdict of the next incident, when one arrives within a few seconds."""
-    try:
-        import frforensics.recorder as recorder
-    except Exception:
-        return []
-    rearm, wait = getattr(recorder, "rearm", None), getattr(recorder, "wait_verdict", None)
-    request = getattr(recorder, "request_verdict", None)
-    if rearm is None or wait is None or request is None or not recorder.is_enabled():
+    """The recorder's verdict of the next incident, when one arrives within the bound."""
+    rec = st.recorder
+    if rec is None:
         return []
     with contextlib.suppress(Exception):
-        rearm()
-        request("recovery failed: a survivor did not arrive")
-        v = wait(st.options.arrival_timeout_s)
+        rec.next_incident()
+        v = rec(st.options.arrival_timeout_s, "recovery failed: a survivor did not arrive")
         if isinstance(v, dict):
             return [v]
     return []
 
 
-def _tell_recorder(group: Any, uuid: int, old: Sequence[int], new: Sequence[int],
-                   reason: str) -> None:
+def _tell_recorder(st: State, group: Any, uuid: int, old: Sequence[int],
+                   new: Sequence[int], reason: str) -> None:
     """The recorder gives a re-formed group a new identity (recorder/_reconfig.py)."""
-    try:
-        import frforensics.recorder as recorder
-    except Exception:
-        return
-    note = getattr(recorder, "note_reconfigure", None)
-    if note is not None:
+    if st.recorder is not None:
         with contextlib.suppress(Exception):
-            note(group, uuid=uuid, old_members=list(old), members=list(new), reason=reason)
+            st.recorder.note_reconfigure(group, uuid=uuid, old_members=list(old),
+                                         members=list(new), reason=reason)
 
 
 def _note_recorder(st: State, record: dict[str, Any]) -> None:
-    """Tell the recorder (new incident, new rank and world size), when it listens."""
-    try:
-        import frforensics.recorder as recorder
-    except Exception:
-        return
-    rearm = getattr(recorder, "rearm", None)
-    if rearm is not None and recorder.is_enabled():
-        # Rank and world size stay the member ids of init_process_group: the
-        # recorder's dump names and group members are in those terms
-        # (recorder/_reconfig.py); the group rank is only the backend's.
+    """Tell the recorder that the incident is over (the next hang is a new one)."""
+    # Rank and world size stay the member ids of init_process_group: the
+    # recorder's dump names and group members are in those terms
+    # (recorder/_reconfig.py); the group rank is only the backend's.
+    if st.recorder is not None:
         with contextlib.suppress(Exception):
-            rearm()
+            st.recorder.next_incident()
 
 
 # ---------------------------------------------------------------- standby, exclusion
@@ -1043,8 +1216,12 @@ def standby(*, timeout_s: float | None = None) -> Guard:
     """Wait (in a spare process) until a recovery admits this process; returns its place.
 
     Raises :class:`RecoveryFailed` when ``timeout_s`` passes first.
+    :meth:`Recovery.standby` of the Recovery :func:`setup` made.
     """
-    st = state()
+    return _require().standby(timeout_s=timeout_s)
+
+
+def _standby(st: State, timeout_s: float | None) -> Guard:
     if st.me not in st.spares:
         raise RecoveryError(f"rank {st.me} is not a spare (spares: {st.spares})")
     end = None if timeout_s is None else time.monotonic() + timeout_s
@@ -1118,10 +1295,4 @@ def _say(st: State, message: str) -> None:
     with contextlib.suppress(Exception):
         print(line, file=sys.stderr, flush=True)
 
-
-def _reset_for_tests() -> None:
-    global _state
-    if _state is not None:
-        _state.closed = True
-    _state = None
 

@@ -53,11 +53,12 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from frforensics.recovery import EXIT_EXCLUDED  # no torch: recovery imports it lazily
+
 __all__ = ["main"]
 
 log = logging.getLogger("frforensics.run")
 
-EXIT_EXCLUDED = 79  # recovery.EXIT_EXCLUDED (importing recovery here needs torch)
 #: How long an excluded worker that has not exited (frozen, stuck) is left before SIGKILL.
 EXCLUDED_GRACE_S = 5.0
 

@@ -40,29 +40,28 @@ source = (recovery.verdict_from_dump_dir(DUMP_DIR, world_size=ACTIVE)
 if SCENARIO == "second" and rank == 3:
     def source(timeout_s, detail):  # dies once the recovery has begun
         os.kill(os.getpid(), signal.SIGKILL)
-opts = recovery.Options(verdict_timeout_s=25, arrival_timeout_s=8, reconfigure_timeout_s=8,
-                        verdict_source=source)
-st = recovery.setup(spares=SPARES, options=opts)
+opts = recovery.Options(verdict_timeout_s=25, arrival_timeout_s=8, reconfigure_timeout_s=8)
+rec = recovery.setup(spares=SPARES, options=opts, source=source)  # the Recovery this job holds
 RELEASE = os.path.join(os.path.dirname(DUMP_DIR), "release")
 
 def emit(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
 
 step, after, t_fail = 0, 0, None
-if rank in st.spares:
-    g = recovery.standby(timeout_s=60)
+if rank in rec.spares:
+    g = rec.standby(timeout_s=60)
     emit(event="admitted", rank=g.rank, world_size=g.world_size)
     t = torch.zeros(1)
     dist.broadcast(t, 0)  # the step the others are at
     step, after = int(t.item()), 0
 tp = None
 if SCENARIO == "subgroup":
-    pairs = [recovery.new_group([0, 1]), recovery.new_group([2, 3])]
+    pairs = [rec.new_group([0, 1]), rec.new_group([2, 3])]
     tp = pairs[rank // 2]
     tp_members = [[0, 1], [2, 3]][rank // 2]
 TOTAL = 5 + 20
-while step < TOTAL or (st.history and after < 20):
-    if SCENARIO == "twice" and rank == 3 and len(st.history) == 1 and step == 10:
+while step < TOTAL or (rec.history and after < 20):
+    if SCENARIO == "twice" and rank == 3 and len(rec.history) == 1 and step == 10:
         os.kill(os.getpid(), signal.SIGSTOP)       # a second host hangs after the recovery
     if rank == 2 and step == 5:
         if SCENARIO in ("stop", "subgroup", "spare", "second", "twice"):
@@ -73,17 +72,17 @@ while step < TOTAL or (st.history and after < 20):
             time.sleep(60)                          # a bug: busy in the program's own code
     t0 = time.monotonic()
     try:
-        with recovery.guard() as g:
+        with rec.guard() as g:
             x = torch.tensor([float(rank + 1)])
             if step == 5 and t_fail is None:
                 t_fail = time.time()
             dist.all_reduce(x)
-            expect = float(sum(m + 1 for m in recovery.state().members))
+            expect = float(sum(m + 1 for m in rec.members))
             assert x.item() == expect, (x.item(), expect)
             if tp is not None:
                 y = torch.tensor([float(rank + 1)])
                 dist.all_reduce(y, group=tp)
-                alive = [m for m in tp_members if m in recovery.state().members]
+                alive = [m for m in tp_members if m in rec.members]
                 assert y.item() == float(sum(m + 1 for m in alive)), (y.item(), alive)
     except recovery.RecoveryError as exc:
         emit(event="refused" if isinstance(exc, recovery.RecoveryRefused) else "failed",
@@ -104,17 +103,18 @@ while step < TOTAL or (st.history and after < 20):
         dist.broadcast(t, 0)
         step, after = int(t.item()), 0
         continue
-    if st.history:
+    if rec.history:
         if after == 0:
             emit(event="first_step_after", since_fail_s=time.time() - t_fail)
         after += 1
     step += 1
 if SCENARIO == "stop" and rank == 0:
     recorder.dump("api", "after recovery")  # the test reads the group identities in it
-emit(event="done", after=after, members=recovery.state().members,
-     recoveries=[h["excluded"] for h in st.history],
-     rank=dist.get_rank(), world_size=dist.get_world_size(),
+emit(event="done", after=after, members=rec.members,
+     recoveries=[h["excluded"] for h in rec.history],
+     rank=dist.get_rank(), world_size=dist.get_world_size(), group_rank=rec.rank,
      tp_size=tp.size() if tp is not None else None)
+rec.close()
 end = time.monotonic() + 30
 while not os.path.exists(RELEASE) and time.monotonic() < end:
     time.sleep(0.1)   # rank 0 hosts the store: keep it until the test is done
@@ -174,6 +174,7 @@ def _assert_group_of_three(job: Any) -> None:
         assert done is not None and done["after"] == 20
         assert done["members"] == [0, 1, 3]
         assert (done["rank"], done["world_size"]) == (new_rank, 3)
+        assert done["group_rank"] == new_rank  # Recovery.rank agrees with the backend
 
 
 def _assert_recorder_split_the_group(job: Any) -> None:

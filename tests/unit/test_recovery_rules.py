@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -176,3 +177,214 @@ def test_a_straggler_report_without_a_rank_to_replace_proposes_nothing(
     hook = recovery.exclude_stragglers(windows=1)
     hook(doc)
     assert proposed == []
+
+
+# ---------------------------------------------------------------- the Recovery you hold
+
+class _Store:
+    """The c10d store calls recovery makes (check/get/set/add/compare_set), in a dict."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.kv[key]
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.kv[key] = value.encode() if isinstance(value, str) else value
+
+    def add(self, key: str, n: int) -> int:
+        value = int(self.kv.get(key, b"0")) + n
+        self.kv[key] = str(value).encode()
+        return value
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        # c10d's TCPStore: a missing key with expected "" is set; the value is returned
+        if key not in self.kv and expected == "":
+            self.kv[key] = desired.encode()
+        return self.kv.get(key, expected.encode())
+
+
+class _Recorder:
+    """A JobRecorder that notes what recovery asked of it, in order."""
+
+    def __init__(self, verdict: Any) -> None:
+        self.verdict = verdict
+        self.calls: list[str] = []
+
+    def __call__(self, timeout_s: float, detail: str) -> Any:
+        self.calls.append("verdict")
+        return self.verdict
+
+    def settle_s(self, detail: str) -> float:
+        self.calls.append("settle")
+        return 0.01
+
+    def note_reconfigure(self, group: Any, **kwargs: Any) -> None:
+        self.calls.append("note")
+
+    def next_incident(self) -> None:
+        self.calls.append("next")
+
+
+def _held(source: Any = None, recorder: Any = None, me: int = 1) -> recovery.Recovery:
+    st = recovery.State(me=me, members=[0, 1, 2, 3], uuid=1, store=_Store(),
+                        options=recovery.Options(verdict_timeout_s=2.0), restart="0",
+                        known={0, 1, 2, 3}, source=source, recorder=recorder)
+    return recovery.Recovery(st)
+
+
+LOST_PEER = "[../pair.cc:545] Read error [127.0.0.1]:22437: Connection reset by peer."
+
+
+def _fail_a_step(rec: recovery.Recovery) -> None:
+    with rec.guard():
+        raise RuntimeError(LOST_PEER)
+
+
+@pytest.mark.parametrize(("verdict", "error", "reason"), [
+    (_verdict((2, "fix_code")), recovery.RecoveryRefused, "fix_code"),
+    (_verdict(*((r, "replace_gpu_or_host") for r in range(4))), recovery.RecoveryRefused,
+     "every member"),
+    (_verdict((2, "inspect")), recovery.RecoveryRefused, "names no rank"),
+    (_verdict((9, "replace_gpu_or_host")), recovery.RecoveryError, "not a member"),
+    (None, recovery.RecoveryFailed, "no verdict"),
+    ("not a verdict", recovery.RecoveryFailed, "no verdict"),
+])
+def test_a_held_recovery_asks_its_own_source_and_refuses_what_cannot_be_right(
+        verdict: Any, error: type[Exception], reason: str) -> None:
+    asked: list[tuple[float, str]] = []
+
+    def source(timeout_s: float, detail: str) -> Any:
+        asked.append((timeout_s, detail))
+        return verdict
+
+    rec = _held(source)
+    with pytest.raises(error, match=reason) as info:
+        _fail_a_step(rec)
+    assert type(info.value) is error
+    assert len(asked) == 1 and 0 < asked[0][0] <= 2.0
+    assert asked[0][1].startswith("recovery: RuntimeError: ") and "reset by peer" in asked[0][1]
+    gave_up = json.loads(rec.state.store.kv["gave_up"])  # frforensics-run fails the job on it
+    assert (gave_up["rank"], gave_up["kind"]) == (1, error.__name__)
+    assert rec.members == [0, 1, 2, 3] and rec.history == []
+
+
+def test_a_verdict_source_that_raises_is_no_verdict_never_a_guess() -> None:
+    def source(timeout_s: float, detail: str) -> Any:
+        raise OSError("the dump directory went away")
+
+    with pytest.raises(recovery.RecoveryFailed, match="no verdict"):
+        _fail_a_step(_held(source))
+
+
+def test_the_recorder_as_source_settles_first_and_is_not_rearmed_on_a_refusal() -> None:
+    job = _Recorder(_verdict((2, "fix_code")))
+    with pytest.raises(recovery.RecoveryRefused, match="fix_code"):
+        _fail_a_step(_held(job, job))
+    assert job.calls == ["settle", "verdict"]
+
+
+def test_an_explicit_source_beside_the_recorder_gets_no_settle() -> None:
+    job = _Recorder(_verdict((3, "replace_gpu_or_host")))
+    with pytest.raises(recovery.RecoveryRefused):
+        _fail_a_step(_held(lambda t, d: _verdict((0, "fix_code")), job))
+    assert job.calls == []
+
+
+def test_a_held_recovery_passes_other_errors_through_and_good_steps_untouched() -> None:
+    asked: list[str] = []
+    rec = _held(lambda t, d: asked.append(d))
+    with pytest.raises(ValueError, match="my bug"), rec.guard():
+        raise ValueError("my bug")
+    with rec.guard() as g:
+        pass
+    assert not g.reconfigured and (g.rank, g.world_size) == (1, 4) and asked == []
+    assert (rec.me, rec.rank, rec.world_size, rec.uuid) == (1, 1, 4, 1)
+
+
+def test_a_closed_recovery_guards_nothing_and_the_module_needs_setup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recovery, "_current", None)
+    with pytest.raises(recovery.RecoveryError, match=r"setup\(\) was not called"):
+        recovery.guard()
+    with pytest.raises(recovery.RecoveryError, match=r"setup\(\) was not called"):
+        recovery.state()
+    rec = _held(lambda t, d: None)
+    monkeypatch.setattr(recovery, "_current", rec)
+    assert recovery.state() is rec.state
+    rec.close()
+    rec.close()  # idempotent
+    assert rec.closed and recovery._current is None
+    with pytest.raises(recovery.RecoveryError, match="closed"):
+        rec.guard()
+    with pytest.raises(recovery.RecoveryError, match="closed"):
+        rec.new_group([0, 1])
+
+
+def test_the_module_functions_act_on_the_recovery_setup_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+    rec = _held(lambda t, d: asked.append(d))
+    monkeypatch.setattr(recovery, "_current", rec)
+    with pytest.raises(recovery.RecoveryFailed, match="no verdict"), recovery.guard():
+        raise RuntimeError(LOST_PEER)
+    assert len(asked) == 1
+    # a proposal lands in this Recovery's store, for the next membership (uuid 2)
+    assert rec.propose_exclusion([3], "40 % slower") is True
+    assert recovery.propose_exclusion([2], "another") is False  # the first one wins
+    plan = json.loads(rec.state.store.kv["2/plan"])
+    assert plan["culprit_ranks"] == [3]
+    other = _held(lambda t, d: None)
+    with pytest.raises(recovery.RecoveryError, match="not the process's current one"):
+        other.propose_exclusion([3], "stale object")
+
+
+def test_the_recorders_side_says_nothing_while_the_recorder_is_off() -> None:
+    import frforensics.recorder as recorder
+
+    recorder.disable()
+    job: recovery.JobRecorder = recorder.RecorderVerdicts()
+    assert job(0.0, LOST_PEER) is None
+    assert job.settle_s(LOST_PEER) == 0.0
+    job.note_reconfigure(object(), uuid=2, old_members=[0, 1], members=[0], reason="x")
+    job.next_incident()
+
+
+@pytest.mark.parametrize(("stale_s", "poll_s", "settle"), [
+    (None, 0.2, 2.2),    # stale limit max(3 * poll, 2 s) + one poll
+    (4.0, 0.5, 4.5),
+    (30.0, 1.0, 10.0),   # never more than 10 s
+])
+def test_the_recorders_settle_after_a_lost_peer_is_its_stale_limit_and_one_poll(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, stale_s: float | None,
+        poll_s: float, settle: float) -> None:
+    import types
+
+    import frforensics.recorder as recorder
+    from frforensics.recorder._config import RecorderConfig
+
+    config = RecorderConfig.build(tmp_path, heartbeat_stale_s=stale_s,
+                                  store_poll_interval_s=poll_s)
+    sess = types.SimpleNamespace(rec=types.SimpleNamespace(active=True, config=config))
+    monkeypatch.setattr(recorder, "session", lambda: sess)
+    job = recorder.RecorderVerdicts()
+    assert job.settle_s(LOST_PEER) == pytest.approx(settle)
+    assert job.settle_s("my data loader timed out") == 0.0
+
+
+def test_setup_takes_and_returns_only_what_the_module_exports() -> None:
+    import inspect
+
+    names = set(recovery.__all__)
+    assert {"Options", "State", "Recovery", "VerdictSource", "JobRecorder", "Guard",
+            "RecoveryError", "RecoveryRefused", "RecoveryFailed",
+            "RecoveryUnavailable"} <= names
+    assert all(hasattr(recovery, n) for n in names)
+    assert not hasattr(recovery, "_reset_for_tests")
+    sig = inspect.signature(recovery.setup)
+    assert sig.return_annotation == "Recovery"
+    assert set(sig.parameters) == {"spares", "options", "source", "recorder"}

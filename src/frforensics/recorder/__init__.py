@@ -35,6 +35,7 @@ from frforensics.failures import is_peer_loss
 from frforensics.model import DeathInfo, DumpReason
 from frforensics.recorder._config import RecorderConfig
 from frforensics.recorder._core import Recorder, frames_of_traceback
+from frforensics.recorder._source import RecorderVerdicts as RecorderVerdicts  # recovery's
 
 if TYPE_CHECKING:
     from frforensics.recorder._dump import DumpWriter
