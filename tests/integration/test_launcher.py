@@ -30,7 +30,7 @@ import frforensics
 pytestmark = [pytest.mark.slow, pytest.mark.reconfigure, pytest.mark.timeout(180)]
 
 WORKER = r'''
-import json, os, signal, sys, time
+import json, os, random, signal, sys, time
 from datetime import timedelta
 import torch, torch.distributed as dist
 import frforensics.recorder as recorder
@@ -38,7 +38,10 @@ from frforensics import recovery
 
 MODE = os.environ["FRT_MODE"]
 VICTIM = int(os.environ.get("FRT_VICTIM", "-1"))
-recorder.enable(os.environ["FRT_DUMPS"], timeout_s=3.0, store_poll_interval_s=0.2)
+LIVE_S = os.environ.get("FRT_LIVE_S")  # live stragglers feeding recovery.exclude_stragglers
+recorder.enable(os.environ["FRT_DUMPS"], timeout_s=3.0, store_poll_interval_s=0.2,
+                **({"straggler_interval_s": float(LIVE_S),
+                    "on_verdict": recovery.exclude_stragglers(windows=2)} if LIVE_S else {}))
 dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
 source = None
 if os.environ.get("FRT_VERDICT"):
@@ -62,11 +65,18 @@ if me in st.spares:
     t = torch.zeros(1)
     dist.broadcast(t, 0)
     step = int(t.item())
-while after < 20:
+rng = random.Random(me)
+while after < 20 and not (MODE == "noise" and step >= 150):
     if MODE == "slow":  # the victim is 40 % slower; rank 0 proposes its exclusion at step 8
         time.sleep(0.028 if victim else 0.02)
         if me == 0 and step == 8 and not st.history:
             emit(event="proposed", won=recovery.propose_exclusion([VICTIM], "40 % slower"))
+    # The live rule reads the recorder's completion times, polled every 10 ms: lateness
+    # under 3 polls (30 ms) is never blamed, so these steps are 100 ms long.
+    elif MODE == "slow_live":  # 40 % slower, found by the live straggler rule
+        time.sleep(0.14 if victim else 0.1)
+    elif MODE == "noise":  # healthy: each rank 40 ms late on ~5 % of its steps (spikes)
+        time.sleep(0.1 + (0.04 if rng.random() < 0.05 else 0.0))
     elif victim and step == 6 and not st.history:
         emit(event="victim", mode=MODE, t=time.time())
         if MODE == "kill":
@@ -100,8 +110,8 @@ while after < 20:
             emit(event="first_step_after", t=time.time())
         after += 1
     step += 1
-emit(event="done", after=after, members=recovery.state().members, rank=dist.get_rank(),
-     world_size=dist.get_world_size())
+emit(event="done", after=after, step=step, members=recovery.state().members,
+     rank=dist.get_rank(), world_size=dist.get_world_size())
 # A survivor whose gloo op was abandoned by the recovery can abort in interpreter
 # teardown ("terminate called without an active exception", SIGABRT; measured):
 # leave without it (docs/recovery.md, Limits).
@@ -293,4 +303,41 @@ def test_a_slow_rank_is_excluded_at_a_step_boundary_and_a_standby_takes_its_plac
     admitted, done = _by(text, "admitted"), _by(text, "done")
     assert admitted[4]["rank"] == 3 and done[4]["after"] == 20, text[-6000:]
     assert "rank 3 exited with code 79" in text
+    assert code == 0, text[-6000:]
+
+
+LIVE = {"FRT_LIVE_S": "1.0", "FRT_OPTIONS": '{"plan_check_every": 5}'}
+
+
+def test_a_rank_the_live_straggler_rule_names_in_two_windows_is_excluded_and_replaced(
+        tmp_path: Path) -> None:
+    # Nobody proposes by hand: the recorder's live straggler rule (every 1 s) names
+    # rank 3 (40 % slower) and recovery.exclude_stragglers(windows=2) proposes it after
+    # two consecutive windows; the survivors carry it out at a step boundary.
+    code, text = _single(tmp_path, "slow_live", spares=1, **LIVE)
+    rec = _by(text, "reconfigured")
+    for r in (0, 1, 2):
+        assert r in rec and rec[r]["excluded"] == [3], text[-6000:]
+        assert rec[r]["failed"] is False, rec[r]
+        assert rec[r]["verdict"].startswith("PLANNED — straggler in 2 consecutive"), rec[r]
+        assert rec[r]["step"] % 5 == 4, rec[r]  # at a planned check, never mid-step
+    assert "] step failed (" not in text  # no step failed, nothing timed out
+    stragglers = json.loads((tmp_path / "dumps" / "stragglers.json").read_text())
+    assert stragglers["culprit_ranks"] == [3], stragglers
+    _assert_three_train_on(text, [0, 1, 2, 4], 4)
+    admitted, done = _by(text, "admitted"), _by(text, "done")
+    assert admitted[4]["rank"] == 3 and done[4]["after"] == 20, text[-6000:]
+    assert code == 0, text[-6000:]
+
+
+def test_a_healthy_job_with_noise_is_never_touched_by_the_live_exclusion(
+        tmp_path: Path) -> None:
+    code, text = _single(tmp_path, "noise", spares=1, **LIVE)
+    done = _by(text, "done")
+    assert sorted(r for r in done if r < 4) == [0, 1, 2, 3], text[-6000:]
+    assert all(done[r]["step"] == 150 and done[r]["world_size"] == 4 for r in range(4)), done
+    assert not _by(text, "reconfigured") and not _by(text, "admitted"), text[-6000:]
+    assert not (tmp_path / "dumps" / "stragglers.json").exists()
+    # the live rule did run (its windows were written), it found nothing
+    assert list((tmp_path / "dumps" / ".frforensics_verdict" / "live").glob("frdump_rank_*"))
     assert code == 0, text[-6000:]

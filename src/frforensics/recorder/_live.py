@@ -1,17 +1,18 @@
 """Live stragglers: a periodic exchange of collective arrival times (off by default).
 
 Every ``straggler_interval_s`` each rank publishes, through the c10d store, the
-collectives it completed since its last round: per entry its group, seq, op,
-enqueue and completion time — delta-coded (seq and enqueue-time differences,
+collectives it completed in its last four rounds (at most 512): per entry its
+group, seq, op, enqueue and completion time — delta-coded (seq and enqueue-time differences,
 wait durations) and zlib-compressed, some tens of bytes per op (key
 ``frforensics/<R>/live/<rank>``, overwritten each round). One rank (the first to
 ``compare_set`` ``live/owner``) keeps a window of each rank's latest entries and
 runs the analyzer's own straggler rule on them — same thresholds, clock-offset
 handling and window — in a child process (``python -m frforensics verdict``),
 writing each rank's window as a small frdump. When a rank is reported as a
-straggler it logs one line, writes ``stragglers.json`` next to the dumps and
-calls the ``on_verdict`` hooks with the finding; only new stragglers are
-reported again. A healthy job produces nothing: the rule never blames a rank
+straggler it logs one line (once per rank), writes ``stragglers.json`` next to
+the dumps and calls the ``on_verdict`` hooks with the finding — in every window
+that names one, and once with no findings in the first window after that names
+none, so a hook can count consecutive windows (``recovery.exclude_stragglers``). A healthy job produces nothing: the rule never blames a rank
 late by less than 1 ms, and names one only when its lateness is sustained and
 costs the job at least 5 % of its time (``AnalyzeOptions.straggler_min_cost``;
 the analyzer's "Significance", docs/detectors.md): a rank with rare spikes is
@@ -31,6 +32,7 @@ import sys
 import threading
 import time
 import zlib
+from collections import deque
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -52,6 +54,7 @@ log = logging.getLogger("frforensics.recorder")
 
 WINDOW: Final = 512  # the straggler rule's own window (analyzer/detectors/straggler.py)
 _MAX_ROUND: Final = 4 << 20
+KEEP_ROUNDS: Final = 4  # rounds each published blob repeats (``LiveStragglers._round``)
 
 
 def encode_round(groups: list[int], seqs: list[int], ops: list[str], enq_ns: list[int],
@@ -133,11 +136,13 @@ class LiveStragglers(threading.Thread):
         self.interval_s = float(interval_s)
         self.stop_event = threading.Event()
         self.last_record = -1
+        self.recent: deque[list[tuple[int, int, str, int, int]]] = deque(maxlen=KEEP_ROUNDS)
         self.owner: bool | None = None
         self.groups_sent = 0
         self.windows: dict[int, dict[str, np.ndarray]] = {}
         self.groups_of: dict[int, list[GroupInfo]] = {}
         self.reported: set[int] = set()
+        self.named_last = False
         self.rounds = 0
 
     def stop(self) -> None:
@@ -169,9 +174,15 @@ class LiveStragglers(threading.Thread):
                 and e[R.STATE] == R.COMPLETED and e[R.T_COMPLETE]]
         if rows:
             self.last_record = max(e[R.RECORD_ID] for e in rows)
-        blob = encode_round([e[R.GROUP] for e in rows], [e[R.SEQ] for e in rows],
-                            [e[R.OP] for e in rows], [e[R.T_ENQUEUE] + offset for e in rows],
-                            [e[R.T_COMPLETE] + offset for e in rows])
+        # Each blob repeats the last KEEP_ROUNDS rounds (at most WINDOW entries): the
+        # owner reads every key once per round of its own, and its analysis can take
+        # longer than an interval; a round it missed is in the next blob (it keeps
+        # only entries newer than those it has). Wall times are fixed once.
+        self.recent.append([(e[R.GROUP], e[R.SEQ], e[R.OP], e[R.T_ENQUEUE] + offset,
+                             e[R.T_COMPLETE] + offset) for e in rows])
+        kept = [row for batch in self.recent for row in batch][-WINDOW:]
+        blob = encode_round([r[0] for r in kept], [r[1] for r in kept], [r[2] for r in kept],
+                            [r[3] for r in kept], [r[4] for r in kept])
         s.set(f"live/{me}", blob)
         s.add(f"live/{me}/round", 1)
         if self.owner is None:
@@ -230,22 +241,27 @@ class LiveStragglers(threading.Thread):
             return
         report = json.loads((work / "verdict.json").read_text(encoding="utf-8"))
         found = [f for f in report.get("findings", []) if f.get("kind") == "straggler"]
-        new = [f for f in found if not set(f.get("culprit_ranks", [])) <= self.reported]
-        if not new:
+        # The hooks hear every window that names a straggler, and the first window that
+        # names none after one that did, so a hook can count consecutive windows
+        # (recovery.exclude_stragglers); the log line is once per rank.
+        if not found and not self.named_last:
             return
+        self.named_last = bool(found)
+        new = [f for f in found if not set(f.get("culprit_ranks", [])) <= self.reported]
         actions = [a for a in report.get("actions", []) if a.get("because") == "straggler"]
         doc = {"schema": "frforensics.stragglers/1", "kind": "straggler", "round": self.rounds,
                "time_ns": time.time_ns(), "findings": found, "actions": actions,
                "culprit_ranks": sorted({r for f in found for r in f.get("culprit_ranks", [])}),
                "stragglers_json": str(rec.config.dump_dir / "stragglers.json")}
-        frdump.write_atomic(rec.config.dump_dir / "stragglers.json",
-                            (json.dumps(doc, indent=2) + "\n").encode())
+        if found:  # the file and the store key keep the last window that named one
+            frdump.write_atomic(rec.config.dump_dir / "stragglers.json",
+                                (json.dumps(doc, indent=2) + "\n").encode())
+            with contextlib.suppress(Exception):
+                store.set("live/stragglers", json.dumps(doc))
         for f in new:
             self.reported.update(f.get("culprit_ranks", []))
             with contextlib.suppress(Exception):
                 log.warning("frforensics: straggler: %s", f.get("message", "")[:600])
-        with contextlib.suppress(Exception):
-            store.set("live/stragglers", json.dumps(doc))
         self.agent.run_hooks(doc, str(doc["stragglers_json"]))
 
     def _document(self, report: dict[str, Any]) -> StragglerReport:
