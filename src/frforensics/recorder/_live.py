@@ -248,11 +248,7 @@ class LiveStragglers(threading.Thread):
             return
         self.named_last = bool(found)
         new = [f for f in found if not set(f.get("culprit_ranks", [])) <= self.reported]
-        actions = [a for a in report.get("actions", []) if a.get("because") == "straggler"]
-        doc = {"schema": "frforensics.stragglers/1", "kind": "straggler", "round": self.rounds,
-               "time_ns": time.time_ns(), "findings": found, "actions": actions,
-               "culprit_ranks": sorted({r for f in found for r in f.get("culprit_ranks", [])}),
-               "stragglers_json": str(rec.config.dump_dir / "stragglers.json")}
+        doc = self._document(report).to_json()
         if found:  # the file and the store key keep the last window that named one
             frdump.write_atomic(rec.config.dump_dir / "stragglers.json",
                                 (json.dumps(doc, indent=2) + "\n").encode())
