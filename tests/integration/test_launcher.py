@@ -13,6 +13,7 @@ these fail, they do not skip.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -149,7 +150,19 @@ def _finish(proc: subprocess.Popen[str], timeout_s: float) -> int:
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        # torch's agent starts each worker in a session of its own: SIGTERM lets the
+        # agent stop them; whatever is left of the job (this test's worker.py) is
+        # killed too, so a failed test leaves no process behind.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(15)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        script = proc.args[-1] if isinstance(proc.args, list) else ""
+        if script:
+            with contextlib.suppress(OSError):
+                subprocess.run(["pkill", "-KILL", "-f", str(script)], check=False)
         proc.wait(10)
         return -9
 
