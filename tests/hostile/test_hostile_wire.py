@@ -27,6 +27,9 @@ from frforensics.analyzer.load import digest_paths
 MAX_RSS_MIB = 512
 
 
+#: every payload is decoded in a forked child under memory and time caps: the slow lane
+pytestmark = pytest.mark.slow
+
 @pytest.fixture(scope="module")
 def good() -> list[RankDigest]:
     digests = [d for d in digest_paths([hostile_corpus.GOOD]) if isinstance(d, RankDigest)]

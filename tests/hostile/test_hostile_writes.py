@@ -115,6 +115,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow  # a real full filesystem per case: the slow lane
 @pytest.mark.parametrize("args", [
     ["verdict", "--out-dir", "{out}", "{data}"],
     ["{data}", "--format", "json", "-o", "{out}/report.json"],

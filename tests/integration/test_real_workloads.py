@@ -44,9 +44,6 @@ _KILL_NATIVE = ("issue 19.3: from PyTorch's gloo dumps the dead rank (SIGKILL, o
                 "also shows: a missing_dump warning naming the candidate, exit 0, no culprit; "
                 "when every survivor is still stuck the rank is named (a race inside gloo), "
                 "so never strict")
-_STOP_SEND = ("p2p_deadlock: a stage that stopped sending is read as a recv/recv cycle and both "
-              "it and the next stage are blamed (fix_code), though the next stage waits on a "
-              "send (its recv's peer_seq) the stage never issued")
 _RAISE_NATIVE = ("PyTorch's gloo dumps: rank 1 raised, torchrun SIGTERMed the others and their "
                  "saved native dumps show nothing pending (gloo retired the failed op): "
                  "healthy, exit 0; the raising rank's exception is not in PyTorch's dumps. "
@@ -67,7 +64,6 @@ WRONG_TODAY: dict[tuple[str, str, str], tuple[str, frozenset[str]]] = {
     ("ddp", "kill", "native"): (_KILL_NATIVE, _NOISY),
     ("fsdp2", "kill", "native"): (_KILL_NATIVE, _NOISY),
     ("tp", "kill", "native"): (_KILL_NATIVE, _NOISY),
-    ("pipeline", "stop_send", "ours"): (_STOP_SEND, _BOTH),
     ("fsdp2", "slow", "ours"): (_SLOW_NOISE, _NOISY),
     ("fsdp2", "slow", "native"): (_SLOW_NOISE, _NOISY),
     ("ddp", "exit", "native"): (_KILL_NATIVE, _NOISY),

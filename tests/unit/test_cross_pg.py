@@ -24,8 +24,12 @@ def job(size: int, seed: int = 0, ring: int = 2000) -> JobBuilder:
     return JobBuilder(world_size=size, ring_size=ring, seed=seed, **LAYOUTS[size]).steps(24).jitter(ms=0.3)
 
 
+#: 64-rank jobs run in the slow lane (the fast loop keeps 8 and 16 ranks)
+_SLOW = pytest.mark.slow
+
 @pytest.mark.parametrize("fmt", ["frdump", "pickle"])
-@pytest.mark.parametrize(("size", "ranks"), [(8, 0), (16, 5), (64, 17), (64, (0, 9))])
+@pytest.mark.parametrize(("size", "ranks"), [(8, 0), (16, 5), pytest.param(64, 17, marks=_SLOW),
+                                              pytest.param(64, (0, 9), marks=_SLOW)])
 def test_ranks_that_inverted_two_groups_order_are_the_culprits(
         size: int, ranks: int | tuple[int, ...], fmt: str) -> None:
     dumps = job(size, seed=size).order_inversion(ranks=ranks, step=20).build()

@@ -229,6 +229,7 @@ def test_recorded_stacks_are_the_same_with_and_without_the_c_walk(tmp_path, walk
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # two interpreters started per case: the slow lane
 @pytest.mark.parametrize("pure", [True, False])
 def test_env_var_forces_the_pure_python_walk(pure):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}

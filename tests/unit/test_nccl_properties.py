@@ -377,6 +377,7 @@ def test_generated_jobs_at_scale(case: Case, layout: Layout3,
     assert not tally.counts, tally.table()
 
 
+@pytest.mark.slow  # the widest sweep of the file: the slow lane
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("mode", ["nccl", "gloo"])
 def test_straggler_jobs_never_name_a_rank_that_is_not_the_straggler(mode: str) -> None:

@@ -31,7 +31,7 @@ def stage1_rank(size: int) -> int:
 
 @pytest.mark.parametrize("fmt", ["frdump", "pickle"])
 @pytest.mark.parametrize("ring", [2000, 60])
-@pytest.mark.parametrize("size", [8, 16, 64])
+@pytest.mark.parametrize("size", [8, 16, pytest.param(64, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fault", ["p2p_recv_without_send", "p2p_swap_order"])
 def test_pipeline_p2p_deadlock_names_both_stages(fault: str, size: int, ring: int, fmt: str) -> None:
     rank = stage1_rank(size)
