@@ -171,3 +171,77 @@ def test_send_send_cycle_is_named() -> None:
     top = report.findings[0]
     assert top.kind is FindingKind.P2P_DEADLOCK and set(top.culprit_ranks) == {0, 1}
     assert "send/send" in top.message
+
+
+def _stepped(rank: int, steps: list[list[tuple[str, int]]], *, pending: int = 1) -> RankTrace:
+    """A 2-rank pipeline stage: each step's (op, peer) send/recv, closed by a broadcast
+    (the per-step loss); the last step is the one in flight, its last ``pending`` ops
+    unfinished. Per-peer numbers (frdump), so pairing is exact."""
+    strings = ("send", "recv", "broadcast", "Float", "")
+    rows: list[tuple[str, int, int]] = []  # (op, peer, collective seq)
+    seq = 0
+    for i, step in enumerate(steps):
+        rows += [(op, peer, seq) for op, peer in step]
+        if i < len(steps) - 1:
+            seq += 1
+            rows.append(("broadcast", -1, seq))
+    n, counts, peer_seq, p2p_seq = len(rows), {}, [], []
+    for op, peer, _ in rows:
+        if op == "broadcast":
+            peer_seq.append(-1)
+        else:
+            counts[(op, peer)] = counts.get((op, peer), 0) + 1
+            peer_seq.append(counts[(op, peer)])
+        p2p_seq.append(sum(1 for o, _, _ in rows[:len(p2p_seq) + 1] if o != "broadcast"))
+    done = [OpState.COMPLETED] * (n - pending) + [OpState.STARTED] * pending
+    cols = {
+        "record_id": np.arange(n), "pg": np.zeros(n), "seq": [r[2] for r in rows],
+        "p2p_seq": p2p_seq, "peer_seq": peer_seq,
+        "op": [strings.index(r[0]) for r in rows], "is_p2p": [r[0] != "broadcast" for r in rows],
+        "peer": [r[1] for r in rows], "in_numel": np.full(n, 8), "out_numel": np.full(n, 8),
+        "in_dtypes": np.full(n, 3), "out_dtypes": np.full(n, 3), "state": done,
+        "t_enqueue_ns": [1_000_000_000 + i * 10_000_000 for i in range(n)],
+        "t_complete_ns": [1_000_000_000 + i * 10_000_000 + 5_000_000
+                          if s == OpState.COMPLETED else 0 for i, s in enumerate(done)],
+        "timeout_ms": np.full(n, 600_000),
+    }
+    return RankTrace(rank=rank, source=f"r{rank}", format=SourceFormat.FRDUMP, version="3",
+                     groups=(GroupInfo("0", "default_pg", (0, 1)),), strings=strings, stacks=(),
+                     entries=EntryTable.from_columns(n, cols), world_size=2)
+
+
+STAGE0 = [("send", 1), ("recv", 1)]  # forward out, gradient in
+STAGE1 = [("recv", 0), ("send", 0)]  # forward in, gradient out
+
+
+@pytest.mark.parametrize("full_steps", [3, 6])
+def test_a_cycle_one_stage_caused_by_leaving_its_step_order_names_that_stage(
+        full_steps: int) -> None:
+    # Stage 0 swaps its order in the step in flight (gradient first): both stages wait
+    # to receive. Stage 1 does what it did in every step before; stage 0 does not.
+    a = _stepped(0, [STAGE0] * full_steps + [[("recv", 1)]])
+    b = _stepped(1, [STAGE1] * full_steps + [[("recv", 0)]])
+    report, _ = _graph(a, b)
+    top = report.findings[0]
+    assert top.kind is FindingKind.P2P_DEADLOCK and top.culprit_ranks == (0,), top.message
+    assert report.culprit_ranks == (0,) and top.waiting_ranks == (1,)
+    assert "rank 0 left its previous step's order" in top.message
+    assert "recv from rank 1 where in each of its two steps before it was send to rank 1" in top.message
+    assert top.evidence["deviation"]["rank"] == 0
+
+
+@pytest.mark.parametrize(("steps_a", "steps_b"), [
+    # too few steps to know either stage's order: both named
+    ([STAGE0, STAGE0, [("recv", 1)]], [STAGE1, STAGE1, [("recv", 0)]]),
+    # both stages left their order: both named
+    ([STAGE0] * 3 + [[("recv", 1)]], [[("send", 0), ("recv", 0)]] * 3 + [[("recv", 0)]]),
+    # an order that was not stable (its two steps before differ): both named
+    ([STAGE0, STAGE0 + STAGE0, STAGE0, [("recv", 1)]],
+     [STAGE1, STAGE1 + STAGE1, STAGE1, [("recv", 0)]]),
+], ids=["first-steps", "both-changed", "unstable"])
+def test_a_cycle_without_one_clear_deviator_names_every_rank_of_it(
+        steps_a: list[list[tuple[str, int]]], steps_b: list[list[tuple[str, int]]]) -> None:
+    report, _ = _graph(_stepped(0, steps_a), _stepped(1, steps_b))
+    top = report.findings[0]
+    assert top.kind is FindingKind.P2P_DEADLOCK and set(top.culprit_ranks) == {0, 1}, top.message
+    assert "recv/recv" in top.message and "deviation" not in top.evidence
