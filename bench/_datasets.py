@@ -177,5 +177,6 @@ def _clone(t: RankTrace, rank: int, world: int) -> RankTrace:
         else:  # the data-parallel group
             ranks = tuple(range(dp_index, world, 8))
             groups.append(GroupInfo(_hashed(f"dp{dp_index}"), g.desc, ranks, g.backend))
-    return replace(t, rank=rank, world_size=world, groups=tuple(groups), host=f"node{rank // 8:05d}",
-                   pid=10_000 + rank)
+    return replace(t, rank=rank, groups=tuple(groups),
+                   header=replace(t.header, world_size=world, host=f"node{rank // 8:05d}",
+                                  pid=10_000 + rank))

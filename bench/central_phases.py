@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import frforensics.analyzer as A
+import frforensics.analyzer._analyze as A
 import frforensics.analyzer.context as C
 from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
 from frforensics.reporting import render

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Final
 
 import numpy as np
@@ -27,12 +27,15 @@ from frforensics._members import shared_ranks
 
 __all__ = [
     "ENTRY_COLUMNS",
+    "HEADER_FIELDS",
     "NO_INDEX",
     "DeathInfo",
+    "DumpHeader",
     "DumpReason",
     "EntryTable",
     "Frame",
     "GroupInfo",
+    "HeaderFields",
     "OpState",
     "PeerHeartbeat",
     "RankTrace",
@@ -332,22 +335,20 @@ class EntryTable:
 
 
 @dataclass(frozen=True, slots=True)
-class RankTrace:
-    """Everything one rank's dump says, normalized.
+class DumpHeader:
+    """What one rank's dump says about the dump itself: who wrote it, when, why,
+    and the process's state at that moment (everything but the entries).
 
-    ``rank`` is the global rank (from the dump's content, or for native dumps from
-    the file name; ``rank_from`` says which). Fields a format does not carry are
-    ``None`` (unknown), never guessed here: inference belongs to the analyzer.
+    :class:`RankTrace` (the decoded dump) and ``analyzer.digest.RankDigest`` (its
+    compact form) hold the same object, so the digest takes the header over
+    without copying field by field. Fields a format does not carry are ``None``
+    (unknown), never guessed here.
     """
 
-    rank: int | None
     source: str
     format: SourceFormat
     version: str
-    groups: tuple[GroupInfo, ...]
-    strings: tuple[str, ...]
-    stacks: tuple[tuple[Frame, ...], ...]
-    entries: EntryTable
+    #: where the rank number came from: ``content``, ``filename`` or ``unknown``
     rank_from: str = "content"
     world_size: int | None = None
     host: str | None = None
@@ -358,11 +359,12 @@ class RankTrace:
     dump_time_ns: int | None = None
     dump_monotonic_ns: int | None = None
     completion_resolution_ns: int = 0
+    #: entries the ring evicted before the dump (a digest cut by ``windowed``
+    #: counts the rows it cut too)
     dropped: int = 0
     threads: tuple[ThreadStack, ...] = ()
     stale_peers: tuple[PeerHeartbeat, ...] = ()
     death: DeathInfo | None = None
-    notes: tuple[str, ...] = field(default=())
     #: ops the rank issued that its dump does not record: PyTorch's gloo recorder
     #: skips send/recv, yet ``pg_status.last_enqueued_collective`` counts them
     #: (0: none, or unknown)
@@ -374,6 +376,132 @@ class RankTrace:
     cuda_device: int | None = None
     gpu_uuid: str | None = None
     pci_bus_id: str | None = None
+
+    def __reduce__(self) -> tuple[type[DumpHeader], tuple[object, ...]]:
+        # every digest carries one across the worker pool: the dataclass default
+        # restores slots one by one in Python
+        return (DumpHeader, tuple([getattr(self, name) for name in HEADER_FIELDS]))
+
+
+class HeaderFields:
+    """Read access to a :class:`DumpHeader`'s fields on the object that holds it
+    (``trace.host`` for ``trace.header.host``). ``format`` and ``dump_reason``
+    are left to the holder: a trace gives the enums, a digest their values."""
+
+    __slots__ = ()
+    header: DumpHeader
+
+    @property
+    def source(self) -> str:
+        return self.header.source
+
+    @property
+    def version(self) -> str:
+        return self.header.version
+
+    @property
+    def rank_from(self) -> str:
+        return self.header.rank_from
+
+    @property
+    def world_size(self) -> int | None:
+        return self.header.world_size
+
+    @property
+    def host(self) -> str | None:
+        return self.header.host
+
+    @property
+    def pid(self) -> int | None:
+        return self.header.pid
+
+    @property
+    def job_id(self) -> str | None:
+        return self.header.job_id
+
+    @property
+    def dump_detail(self) -> str:
+        return self.header.dump_detail
+
+    @property
+    def dump_time_ns(self) -> int | None:
+        return self.header.dump_time_ns
+
+    @property
+    def dump_monotonic_ns(self) -> int | None:
+        return self.header.dump_monotonic_ns
+
+    @property
+    def completion_resolution_ns(self) -> int:
+        return self.header.completion_resolution_ns
+
+    @property
+    def dropped(self) -> int:
+        return self.header.dropped
+
+    @property
+    def threads(self) -> tuple[ThreadStack, ...]:
+        return self.header.threads
+
+    @property
+    def stale_peers(self) -> tuple[PeerHeartbeat, ...]:
+        return self.header.stale_peers
+
+    @property
+    def death(self) -> DeathInfo | None:
+        return self.header.death
+
+    @property
+    def unrecorded_ops(self) -> int:
+        return self.header.unrecorded_ops
+
+    @property
+    def local_rank(self) -> int | None:
+        return self.header.local_rank
+
+    @property
+    def cuda_device(self) -> int | None:
+        return self.header.cuda_device
+
+    @property
+    def gpu_uuid(self) -> str | None:
+        return self.header.gpu_uuid
+
+    @property
+    def pci_bus_id(self) -> str | None:
+        return self.header.pci_bus_id
+
+
+#: :class:`DumpHeader`'s fields, in order
+HEADER_FIELDS: Final = tuple(f.name for f in fields(DumpHeader))
+
+
+@dataclass(frozen=True, slots=True)
+class RankTrace(HeaderFields):
+    """Everything one rank's dump says, normalized.
+
+    ``rank`` is the global rank (from the dump's content, or for native dumps from
+    the file name; ``header.rank_from`` says which). What the dump says about
+    itself is its :class:`DumpHeader` (read through as ``trace.host`` etc.);
+    fields a format does not carry are ``None`` (unknown), never guessed here:
+    inference belongs to the analyzer.
+    """
+
+    rank: int | None
+    header: DumpHeader
+    groups: tuple[GroupInfo, ...]
+    strings: tuple[str, ...]
+    stacks: tuple[tuple[Frame, ...], ...]
+    entries: EntryTable
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def format(self) -> SourceFormat:
+        return self.header.format
+
+    @property
+    def dump_reason(self) -> DumpReason:
+        return self.header.dump_reason
 
     def string(self, index: int) -> str:
         """The string at ``index`` of the string table ('' for ``NO_INDEX``)."""

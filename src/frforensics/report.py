@@ -29,6 +29,7 @@ __all__ = [
     "RankState",
     "RankTimeline",
     "Report",
+    "ReportFormatError",
     "Severity",
     "Status",
     "TimelineOp",
@@ -39,6 +40,115 @@ __all__ = [
 ]
 
 SCHEMA: Final = "frforensics.report/1"
+
+
+class ReportFormatError(ValueError):
+    """A ``frforensics.report/1`` document that :meth:`Report.from_json` cannot read;
+    the message names the field (``findings[2].culprit_ranks``)."""
+
+
+# ------------------------------------------------------------------ reading JSON
+# A report document is as untrusted as a dump (it crosses process and job
+# boundaries): every field is checked for its type, a malformed one is one
+# ReportFormatError naming it, and nothing in it is run.
+
+#: the deepest nesting a finding's ``evidence`` may have
+_MAX_DEPTH: Final = 32
+
+
+def _bad(where: str, what: str) -> ReportFormatError:
+    return ReportFormatError(f"report field {where}: {what}")
+
+
+def _obj(doc: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise _bad(where, f"expected an object, got {type(doc).__name__}")
+    return doc
+
+
+def _key(doc: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in doc:
+        raise _bad(f"{where}.{key}" if where else key, "missing")
+    return doc[key]
+
+
+def _int(value: object, where: str, *, low: int | None = 0) -> int:
+    if type(value) is not int or (low is not None and value < low):
+        raise _bad(where, f"expected an integer{'' if low is None else f' >= {low}'}, "
+                          f"got {value!r:.40}")
+    return value
+
+
+def _opt_int(value: object, where: str, *, low: int | None = 0) -> int | None:
+    return None if value is None else _int(value, where, low=low)
+
+
+def _str(value: object, where: str) -> str:
+    if type(value) is not str:
+        raise _bad(where, f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _opt_str(value: object, where: str) -> str | None:
+    return None if value is None else _str(value, where)
+
+
+def _list(value: object, where: str) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _bad(where, f"expected a list, got {type(value).__name__}")
+    return value
+
+
+def _ranks(value: object, where: str) -> tuple[int, ...]:
+    return tuple(_int(r, f"{where}[{i}]") for i, r in enumerate(_list(value, where)))
+
+
+def _spans(doc: Mapping[str, Any], prefix: str, where: str) -> RankSet:
+    """A rank set written as ``<prefix>_count`` and ``<prefix>_ranges``."""
+    base = f"{where}.{prefix}" if where else prefix
+    ranges = _list(_key(doc, f"{prefix}_ranges", where), f"{base}_ranges")
+    spans: list[range] = []
+    for i, pair in enumerate(ranges):
+        at = f"{base}_ranges[{i}]"
+        pair = _list(pair, at)
+        if len(pair) != 2:
+            raise _bad(at, "expected [first, last]")
+        first, last = _int(pair[0], at), _int(pair[1], at)
+        if last < first or (spans and first <= spans[-1].stop):
+            raise _bad(at, "ranges must ascend, each [first, last] with first <= last")
+        spans.append(range(first, last + 1))
+    out = RankSet(spans)
+    if _int(_key(doc, f"{prefix}_count", where), f"{base}_count") != len(out):
+        raise _bad(f"{base}_count", "does not match the ranges")
+    return out
+
+
+def _json_value(value: object, where: str, depth: int = 0) -> Any:
+    """``value`` if it is plain JSON data (objects with string keys), nested at most
+    ``_MAX_DEPTH`` deep."""
+    if depth > _MAX_DEPTH:
+        raise _bad(where, f"nested deeper than {_MAX_DEPTH}")
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if isinstance(value, (list, tuple)):
+        for i, x in enumerate(value):
+            _json_value(x, f"{where}[{i}]", depth + 1)
+        return value
+    if isinstance(value, Mapping):
+        for k, x in value.items():
+            if type(k) not in (str, int):
+                raise _bad(where, f"a key of type {type(k).__name__}")
+            _json_value(x, f"{where}.{k}", depth + 1)
+        return value
+    raise _bad(where, f"{type(value).__name__} is not JSON data")
+
+
+def _enum(cls: type[enum.Enum], value: object, where: str) -> Any:
+    try:
+        return cls(_str(value, where))
+    except ValueError:
+        raise _bad(where, f"{value!r:.40} is not one of "
+                          f"{', '.join(str(m.value) for m in cls)}") from None
 
 
 class Severity(str, enum.Enum):
@@ -121,6 +231,17 @@ class GroupRef:
         return {"name": self.name, "desc": self.desc,
                 "ranks": None if self.ranks is None else list(self.ranks)}
 
+    @classmethod
+    def from_json(cls, doc: object, where: str = "pg") -> GroupRef:
+        """The inverse of :meth:`to_json` (a group too large to list: a ``RankSet``)."""
+        d = _obj(doc, where)
+        name, desc = _str(_key(d, "name", where), f"{where}.name"), _str(
+            _key(d, "desc", where), f"{where}.desc")
+        ranks = _key(d, "ranks", where)
+        if ranks is None and "ranks_ranges" in d:
+            return cls(name, desc, _spans(d, "ranks", where), listed=False)
+        return cls(name, desc, None if ranks is None else _ranks(ranks, f"{where}.ranks"))
+
     def label(self) -> str:
         """``'default_pg (name 0, ranks 0-3)'``-style label for humans."""
         desc = self.desc if self.desc and self.desc != "undefined" else f"group {self.name}"
@@ -168,6 +289,32 @@ class Finding:
             "evidence": dict(self.evidence),
         }
 
+    @classmethod
+    def from_json(cls, doc: object, where: str = "finding") -> Finding:
+        """The inverse of :meth:`to_json`."""
+        d = _obj(doc, where)
+
+        def get(key: str) -> Any:
+            return _key(d, key, where)
+
+        pg = get("pg")
+        evidence = _json_value(get("evidence"), f"{where}.evidence")
+        if not isinstance(evidence, Mapping):
+            raise _bad(f"{where}.evidence", "expected an object")
+        return cls(
+            kind=_enum(FindingKind, get("kind"), f"{where}.kind"),
+            severity=_enum(Severity, get("severity"), f"{where}.severity"),
+            message=_str(get("message"), f"{where}.message"),
+            culprit_ranks=_ranks(get("culprit_ranks"), f"{where}.culprit_ranks"),
+            waiting_ranks=_ranks(get("waiting_ranks"), f"{where}.waiting_ranks"),
+            pg=None if pg is None else GroupRef.from_json(pg, f"{where}.pg"),
+            seq=_opt_int(get("seq"), f"{where}.seq", low=None),
+            seq_kind=_opt_str(get("seq_kind"), f"{where}.seq_kind"),
+            op=_opt_str(get("op"), f"{where}.op"),
+            location=_opt_str(get("location"), f"{where}.location"),
+            evidence=dict(evidence),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class RankFacts:
@@ -210,6 +357,29 @@ class RankFacts:
                 out[key] = value
         return out
 
+    @classmethod
+    def from_json(cls, rank: int, doc: object, where: str) -> RankFacts:
+        """The inverse of :meth:`to_json` (the rank is the document's key)."""
+        d = _obj(doc, where)
+
+        def opt(key: str, required: bool = False) -> Any:
+            return _key(d, key, where) if required else d.get(key)
+
+        return cls(
+            rank=rank,
+            host=_opt_str(opt("host", True), f"{where}.host"),
+            pid=_opt_int(opt("pid", True), f"{where}.pid", low=None),
+            dump_reason=_opt_str(opt("dump_reason", True), f"{where}.dump_reason"),
+            stuck_at=_opt_str(opt("stuck_at", True), f"{where}.stuck_at"),
+            blocked_in=_opt_str(opt("blocked_in"), f"{where}.blocked_in"),
+            source=_opt_str(opt("source"), f"{where}.source"),
+            format=_opt_str(opt("format"), f"{where}.format"),
+            local_rank=_opt_int(opt("local_rank"), f"{where}.local_rank", low=None),
+            cuda_device=_opt_int(opt("cuda_device"), f"{where}.cuda_device", low=None),
+            gpu_uuid=_opt_str(opt("gpu_uuid"), f"{where}.gpu_uuid"),
+            pci_bus_id=_opt_str(opt("pci_bus_id"), f"{where}.pci_bus_id"),
+        )
+
 
 #: What an orchestrator should do about a culprit rank (DESIGN §3, docs/detectors.md).
 ACTIONS: Final = ("replace_gpu_or_host", "fix_code", "inspect")
@@ -248,6 +418,29 @@ class Action:
             "detail": self.detail,
         }
 
+    @classmethod
+    def from_json(cls, doc: object, where: str = "action") -> Action:
+        """The inverse of :meth:`to_json`."""
+        d = _obj(doc, where)
+
+        def get(key: str) -> Any:
+            return _key(d, key, where)
+
+        action = _str(get("action"), f"{where}.action")
+        if action not in ACTIONS:
+            raise _bad(f"{where}.action", f"{action!r:.40} is not one of {', '.join(ACTIONS)}")
+        return cls(
+            rank=_int(get("rank"), f"{where}.rank"),
+            action=action,
+            because=_str(get("because"), f"{where}.because"),
+            detail=_str(get("detail"), f"{where}.detail"),
+            host=_opt_str(get("host"), f"{where}.host"),
+            local_rank=_opt_int(get("local_rank"), f"{where}.local_rank", low=None),
+            cuda_device=_opt_int(get("cuda_device"), f"{where}.cuda_device", low=None),
+            gpu_uuid=_opt_str(get("gpu_uuid"), f"{where}.gpu_uuid"),
+            pci_bus_id=_opt_str(get("pci_bus_id"), f"{where}.pci_bus_id"),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class LoadProblem:
@@ -258,6 +451,13 @@ class LoadProblem:
 
     def to_json(self) -> dict[str, str]:
         return {"path": self.path, "error": self.error}
+
+    @classmethod
+    def from_json(cls, doc: object, where: str = "load_problem") -> LoadProblem:
+        """The inverse of :meth:`to_json`."""
+        d = _obj(doc, where)
+        return cls(_str(_key(d, "path", where), f"{where}.path"),
+                   _str(_key(d, "error", where), f"{where}.error"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +557,55 @@ class Report:
             "actions": [a.to_json() for a in self.actions],
             "notes": list(self.notes),
         }
+
+    @classmethod
+    def from_json(cls, doc: object) -> Report:
+        """The report a ``frforensics.report/1`` document (``to_json``, ``verdict.json``)
+        describes: ``Report.from_json(r.to_json()).to_json() == r.to_json()``.
+
+        The document is untrusted: a malformed one raises one
+        :class:`ReportFormatError` naming the field; keys this version does not
+        know are ignored. The drawn timeline is not part of the document (empty).
+        """
+        d = _obj(doc, "report")
+
+        def get(key: str) -> Any:
+            return _key(d, key, "")
+
+        schema = get("schema")
+        if schema != SCHEMA:
+            raise _bad("schema", f"{schema!r:.60} is not {SCHEMA!r}")
+        status = _enum(Status, get("status"), "status")
+        missing_doc = get("ranks_missing")
+        missing: Sequence[int] = (_spans(d, "ranks_missing", "")
+                                  if missing_doc is None else _ranks(missing_doc, "ranks_missing"))
+        ranks_doc = _obj(get("ranks"), "ranks")
+        ranks: dict[int, RankFacts] = {}
+        for key, facts in ranks_doc.items():
+            if type(key) is not str or not key.isdigit() or not key.isascii() \
+                    or str(int(key)) != key:
+                raise _bad(f"ranks.{key!s:.40}", "a key is a rank number")
+            ranks[int(key)] = RankFacts.from_json(int(key), facts, f"ranks.{key}")
+        report = cls(
+            world_size=_opt_int(get("world_size"), "world_size", low=1),
+            ranks_loaded=_ranks(get("ranks_loaded"), "ranks_loaded"),
+            ranks_missing=missing,
+            culprit_ranks=_ranks(get("culprit_ranks"), "culprit_ranks"),
+            ranks=ranks,
+            findings=tuple(Finding.from_json(f, f"findings[{i}]")
+                           for i, f in enumerate(_list(get("findings"), "findings"))),
+            load_problems=tuple(LoadProblem.from_json(p, f"load_problems[{i}]")
+                                for i, p in enumerate(_list(get("load_problems"),
+                                                            "load_problems"))),
+            notes=tuple(_str(n, f"notes[{i}]") for i, n in enumerate(_list(get("notes"), "notes"))),
+            unreadable=status is Status.UNREADABLE,
+            actions=tuple(Action.from_json(a, f"actions[{i}]")
+                          for i, a in enumerate(_list(get("actions"), "actions"))),
+        )
+        if report.status is not status:
+            raise _bad("status", f"says {status.value!r}, but its findings and load problems "
+                                 f"make it {report.status.value!r}")
+        return report
 
     def _missing_json(self) -> dict[str, Any]:
         if isinstance(self.ranks_missing, RankSet):

@@ -37,7 +37,7 @@ def _claiming(tmp_path: Path, name: str, world_size: int | None, *,
     for f in sorted(GOOD.iterdir()):
         rank = int(f.name.rsplit("_", 1)[1])
         trace = decode_dump(f.read_bytes(), source=str(f), rank_hint=rank)
-        trace = replace(trace, world_size=world_size)
+        trace = replace(trace, header=replace(trace.header, world_size=world_size))
         if members:
             trace = replace(trace, groups=tuple(replace(g, desc=desc, ranks=tuple(range(members)))
                                                 for g in trace.groups))

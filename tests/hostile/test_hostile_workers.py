@@ -58,7 +58,8 @@ def good() -> list[RankDigest]:
 def _forged_rank_0(good: list[RankDigest], folder: Path) -> bytes:
     real = next(d for d in good if d.rank == 0)
     newer = (real.dump_time_ns or 0) + 10**12
-    forged = dataclasses.replace(real, dump_time_ns=newer, source=f"x:{folder}/nccl_trace_rank_0")
+    forged = dataclasses.replace(real, header=dataclasses.replace(
+        real.header, dump_time_ns=newer, source=f"x:{folder}/nccl_trace_rank_0"))
     return wire.encode_batch([forged])
 
 

@@ -103,8 +103,9 @@ def test_identity_recorded_in_the_dump_reaches_the_action(tmp_path):
         trace = frdump.decode(path.read_bytes())
         r = trace.rank
         assert r is not None
-        trace = dataclasses.replace(trace, local_rank=r % 4, cuda_device=r % 4,
-                                    gpu_uuid=f"GPU-0000-{r}", pci_bus_id=f"0000:{r:02x}:00.0")
+        trace = dataclasses.replace(trace, header=dataclasses.replace(
+            trace.header, local_rank=r % 4, cuda_device=r % 4, gpu_uuid=f"GPU-0000-{r}",
+            pci_bus_id=f"0000:{r:02x}:00.0"))
         frdump.write_atomic(path, frdump.encode(trace))
     report = analyze(load_dumps([out], jobs=1), options=AnalyzeOptions(world_size=8))
     # rank 5 left no dump: nothing is known of its GPU
@@ -124,8 +125,8 @@ def test_identity_round_trips_through_frdump_and_older_dumps_read_as_null(tmp_pa
     trace = frdump.decode(path.read_bytes())
     assert (trace.local_rank, trace.cuda_device, trace.gpu_uuid, trace.pci_bus_id) == (
         None, None, None, None)
-    gpu = dataclasses.replace(trace, local_rank=2, cuda_device=2, gpu_uuid="GPU-abc",
-                              pci_bus_id="0000:1b:00.0")
+    gpu = dataclasses.replace(trace, header=dataclasses.replace(
+        trace.header, local_rank=2, cuda_device=2, gpu_uuid="GPU-abc", pci_bus_id="0000:1b:00.0"))
     back = frdump.decode(frdump.encode(gpu))
     assert (back.local_rank, back.cuda_device, back.gpu_uuid, back.pci_bus_id) == (
         2, 2, "GPU-abc", "0000:1b:00.0")

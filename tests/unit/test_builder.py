@@ -55,7 +55,7 @@ def test_healthy_job_matches_sends_and_recvs_per_pair(healthy: JobDumps) -> None
     recvs: Counter[tuple[int, int]] = Counter()
     for r in range(healthy.world_size):
         for sid in healthy.sim.ops[r].tolist():
-            spec = healthy.plan.cat.specs[sid]
+            spec = healthy.spec.cat.specs[sid]
             if spec.is_p2p:
                 peer = healthy.layout.stage_peer(r, spec.delta)
                 (sends if spec.op == "send" else recvs)[(r, peer) if spec.op == "send" else (peer, r)] += 1
@@ -467,3 +467,19 @@ def test_nccl_healthy_job_retires_every_work_and_leaves_only_members_scheduled()
                 assert e["state"] == "scheduled" and not e["retired"]
             else:
                 assert e["state"] == "completed" and e["retired"]
+
+
+def test_dumps_render_from_the_frozen_spec_not_from_the_builder_after_build() -> None:
+    """``JobDumps`` reads the job from its ``JobSpec``: changing the builder after
+    ``build()`` (options, more faults) changes nothing in dumps already built."""
+    b = JobBuilder(world_size=8, tp=2, pp=2, dp=2, seed=5).steps(6).completion_poll(2.0)
+    b.hang_in_op(rank=3, step=4)
+    dumps = b.build()
+    before = {r: frdump.encode(t) for r, t in dumps.traces().items()}
+    b.timeout(1).completion_poll(0.0).gloo_style().dead(rank=1, step=2)
+    after = {r: frdump.encode(t) for r, t in dumps.traces().items()}
+    assert before == after
+    assert len(dumps.spec.faults) == 1 and dumps.spec.poll_ms == 2.0
+    with pytest.raises(AttributeError):
+        dumps.spec.poll_ms = 0.0  # type: ignore[misc]
+    assert not hasattr(dumps, "builder") and not hasattr(dumps, "plan")

@@ -40,7 +40,8 @@ def _write(job: JobBuilder, out: Path) -> dict[int, Path]:
 
 def _edit(path: Path, **changes: object) -> None:
     trace = frdump.decode(path.read_bytes())
-    frdump.write_atomic(path, frdump.encode(dataclasses.replace(trace, **changes)))
+    header = dataclasses.replace(trace.header, **changes)  # every edit is of the header
+    frdump.write_atomic(path, frdump.encode(dataclasses.replace(trace, header=header)))
 
 
 def _die(path: Path, message: str, *, at_ns: int | None = None,

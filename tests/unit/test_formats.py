@@ -22,6 +22,7 @@ from frforensics.formats import decode_dump, frdump, native, sniff_format
 from frforensics.model import (
     ENTRY_COLUMNS,
     DeathInfo,
+    DumpHeader,
     DumpReason,
     EntryTable,
     Frame,
@@ -181,18 +182,30 @@ def _trace(n: int = 5) -> RankTrace:
     columns["stack"] = np.array([0, 1, 0, 1, -1][:n])
     frames = (Frame("train.py", 12, "step"), Frame("main.py", 3, "<module>"))
     return RankTrace(
-        rank=5, source="s", format=SourceFormat.FRDUMP, version="1",
+        rank=5,
+        header=DumpHeader(
+            source="s",
+            format=SourceFormat.FRDUMP,
+            version="1",
+            world_size=6,
+            host="node07",
+            pid=4121,
+            job_id="j1",
+            dump_reason=DumpReason.PEER_SIGNAL,
+            dump_detail="rank 2 timed out",
+            dump_time_ns=123,
+            dump_monotonic_ns=45,
+            completion_resolution_ns=2_000_000,
+            dropped=7,
+            threads=(ThreadStack("MainThread", 1, True, frames),),
+            stale_peers=(PeerHeartbeat(3, 12.5),),
+            death=DeathInfo("exception", "ValueError: nan", frames),
+        ),
         groups=(GroupInfo("0", "default_pg", (0, 1, 2, 3, 4, 5), "gloo"),
                 GroupInfo("abc", "tp", (4, 5), "nccl")),
         strings=("all_reduce", "Float", "[[4]]"),
         stacks=(frames, frames[1:]),
         entries=EntryTable.from_columns(n, columns),
-        world_size=6, host="node07", pid=4121, job_id="j1",
-        dump_reason=DumpReason.PEER_SIGNAL, dump_detail="rank 2 timed out",
-        dump_time_ns=123, dump_monotonic_ns=45, completion_resolution_ns=2_000_000, dropped=7,
-        threads=(ThreadStack("MainThread", 1, True, frames),),
-        stale_peers=(PeerHeartbeat(3, 12.5),),
-        death=DeathInfo("exception", "ValueError: nan", frames),
         notes=("hello",),
     )
 
@@ -217,8 +230,9 @@ def test_frdump_round_trip_property(rows: list[tuple[int, int, int]]) -> None:
     n = len(rows)
     table = EntryTable.from_columns(n, {
         "seq": [r[0] for r in rows], "state": [r[1] for r in rows], "peer": [r[2] for r in rows]})
-    trace = RankTrace(rank=0, source="p", format=SourceFormat.FRDUMP, version="1", groups=(),
-                      strings=(), stacks=(), entries=table)
+    trace = RankTrace(rank=0, header=DumpHeader(source="p", format=SourceFormat.FRDUMP,
+                                                version="1"),
+                      groups=(), strings=(), stacks=(), entries=table)
     back = frdump.decode(frdump.encode(trace))
     assert back.entries.seq.tolist() == [r[0] for r in rows]
     assert back.entries.state.tolist() == [r[1] for r in rows]

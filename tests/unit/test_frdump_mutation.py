@@ -27,12 +27,11 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "native" / "timeout" / "pi
 def _base() -> dict[str, Any]:
     trace = decode_dump((DATA / "nccl_trace_rank_1").read_bytes(), source="x", rank_hint=1)
     frames = (Frame("train.py", 3, "step"),)
-    trace = replace(
-        trace, world_size=4, host="node01", pid=7, dump_time_ns=10**18,
-        stacks=(*trace.stacks, frames),
+    header = replace(
+        trace.header, world_size=4, host="node01", pid=7, dump_time_ns=10**18,
         threads=(ThreadStack("MainThread", 1, True, frames),),
-        stale_peers=(PeerHeartbeat(2, 1.5),), death=DeathInfo("exception", "boom", frames),
-        notes=("n",))
+        stale_peers=(PeerHeartbeat(2, 1.5),), death=DeathInfo("exception", "boom", frames))
+    trace = replace(trace, header=header, stacks=(*trace.stacks, frames), notes=("n",))
     doc: dict[str, Any] = msgpack.unpackb(frdump.encode(trace)[len(frdump.MAGIC):], raw=False,
                                           strict_map_key=False)
     return doc

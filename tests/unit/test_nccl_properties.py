@@ -280,7 +280,7 @@ class Tally:
 
 def planted_rank(dumps: JobDumps) -> int | None:
     """The rank the job's one fault was planted on (None: healthy or several)."""
-    faults = dumps.builder._faults
+    faults = dumps.spec.faults
     return faults[0].ranks[0] if len(faults) == 1 and faults[0].ranks else None
 
 

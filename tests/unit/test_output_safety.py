@@ -87,7 +87,7 @@ def evil_report(tmp_path: Path):  # type: ignore[no-untyped-def]
         shutil.copy(f, root / f.name)
     culprit = root / "nccl_trace_rank_2"
     trace = decode_dump(culprit.read_bytes(), source=str(culprit), rank_hint=2)
-    trace = replace(trace, host=EVIL, dump_detail=EVIL)
+    trace = replace(trace, header=replace(trace.header, host=EVIL, dump_detail=EVIL))
     culprit.unlink()
     (root / "frdump_rank_2").write_bytes(frdump.encode(trace))
     (root / ("nccl_trace_rank_x" + EVIL.replace("\x01", "_"))).write_bytes(b"\x80\x04junk")

@@ -3,6 +3,8 @@ builder) and small hand-built channels whose rings evicted their beginnings."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,7 @@ from frforensics.analyzer.digest import digest
 from frforensics.analyzer.load import DumpSet
 from frforensics.analyzer.merge import build_job
 from frforensics.analyzer.waits import build_wait_graph
-from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
+from frforensics.model import DumpHeader, EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.report import FindingKind, Report, Severity
 from frforensics.testing import JobBuilder
 from helpers import analyze_dumps
@@ -87,7 +89,8 @@ def _trace(rank: int, ops: list[tuple[str, int, int, int, int]], *, first_record
     }
     if peer_seq:
         cols["peer_seq"] = np.arange(first_record + 1, first_record + n + 1)
-    return RankTrace(rank=rank, source=f"r{rank}", format=SourceFormat.NATIVE_PICKLE, version="2.10",
+    return RankTrace(rank=rank, header=DumpHeader(source=f"r{rank}", format=SourceFormat.NATIVE_PICKLE,
+                                                  version="2.10"),
                      groups=(GroupInfo("0", "default_pg", (0, 1)),), strings=strings, stacks=(),
                      entries=EntryTable.from_columns(n, cols))
 
@@ -152,8 +155,7 @@ def _last_pending(table: EntryTable) -> EntryTable:
 def test_posted_counterpart_is_not_a_wait_but_a_stuck_transfer() -> None:
     a, b = _channel(5, 5, keep_send=5, keep_recv=5)
     # both sides posted their 5th op, and it never completed
-    a2, b2 = (RankTrace(**{**{f: getattr(t, f) for f in RankTrace.__slots__},
-                           "entries": _last_pending(t.entries)}) for t in (a, b))
+    a2, b2 = (replace(t, entries=_last_pending(t.entries)) for t in (a, b))
     report, graph = _graph(a2, b2)
     assert graph.waits[0].on == () and graph.waits[1].on == ()  # type: ignore[attr-defined]
     top = report.findings[0]

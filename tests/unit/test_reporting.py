@@ -13,7 +13,7 @@ import pytest
 from frforensics.analyzer import analyze, load_dumps
 from frforensics.analyzer.timeline import trace_events, write_timeline, write_timeline_file
 from frforensics.formats import decode_dump, read_sources
-from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
+from frforensics.model import DumpHeader, EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.report import (
     Finding,
     FindingKind,
@@ -222,10 +222,10 @@ def _trace(entries: dict[str, list[int]], *, dump_time_ns: int | None) -> RankTr
     n = len(entries["seq"])
     cols: dict[str, list[int]] = {"op": [0] * n, "in_shapes": [2] * n, "in_dtypes": [3] * n,
                                   "record_id": list(range(n)), "pg": [0] * n, **entries}
-    return RankTrace(rank=1, source="x", format=SourceFormat.FRDUMP, version="1",
+    return RankTrace(rank=1, header=DumpHeader(source="x", format=SourceFormat.FRDUMP, version="1",
+                                               host="node1", pid=42, dump_time_ns=dump_time_ns),
                      groups=(GroupInfo("0", "default_pg", (0, 1)),), strings=strings, stacks=(),
-                     entries=EntryTable.from_columns(n, cols), host="node1", pid=42,
-                     dump_time_ns=dump_time_ns)
+                     entries=EntryTable.from_columns(n, cols))
 
 
 def test_timeline_marks_the_unfinished_op_stuck_until_the_dump() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import pickle
 import random
 from pathlib import Path
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from frforensics.analyzer import wire
 from frforensics.analyzer.digest import RankDigest
 from frforensics.analyzer.load import digest_paths
+from frforensics.model import DumpHeader
 from frforensics.testing import JobBuilder
 
 
@@ -137,6 +139,8 @@ def _other_value(name: str, annotation: str, value: Any, n: int) -> Any:
         if "str" in annotation:
             return "node-42"
         return None
+    if isinstance(value, enum.Enum):
+        return next(v for v in type(value) if v is not value)
     if isinstance(value, bool):
         return not value
     if isinstance(value, int):
@@ -154,11 +158,14 @@ def test_every_field_of_a_digest_travels(hang_digests: dict[str, list[RankDigest
     """
     base = hang_digests["frdump"][5]
     changed = []
-    for f in dataclasses.fields(RankDigest):
-        value = _other_value(f.name, str(f.type), getattr(base, f.name), len(base))
+    own = [(False, f) for f in dataclasses.fields(RankDigest) if f.name != "header"]
+    for in_header, f in [*own, *((True, f) for f in dataclasses.fields(DumpHeader))]:
+        holder = base.header if in_header else base
+        value = _other_value(f.name, str(f.type), getattr(holder, f.name), len(base))
         if value is None:
             continue
-        d = dataclasses.replace(base, **{f.name: value})
+        d = (dataclasses.replace(base, header=dataclasses.replace(base.header, **{f.name: value}))
+             if in_header else dataclasses.replace(base, **{f.name: value}))
         changed.append(f.name)
         (back,) = wire.decode_batch(wire.encode_batch([d]))
         assert_same_digest(d, back)
@@ -166,7 +173,8 @@ def test_every_field_of_a_digest_travels(hang_digests: dict[str, list[RankDigest
         batch = [hang_digests["frdump"][0], d, hang_digests["native"][1]]
         for a, b in zip(batch, wire.decode_batch(wire.encode_batch(batch)), strict=True):
             assert_same_digest(a, b)
-    assert {"unit", "gpu_states", "seq", "t_enqueue_ns", "dump_time_ns", "host"} <= set(changed)
+    assert {"unit", "gpu_states", "seq", "t_enqueue_ns", "dump_time_ns", "host", "format",
+            "dump_reason", "job_id", "dump_monotonic_ns"} <= set(changed)
 
 
 @pytest.mark.parametrize("sample", sorted(p.name for p in (

@@ -32,13 +32,12 @@ import numpy as np
 import numpy.typing as npt
 
 from frforensics.model import (
-    DeathInfo,
+    DumpHeader,
     Frame,
     GroupInfo,
+    HeaderFields,
     OpState,
-    PeerHeartbeat,
     RankTrace,
-    ThreadStack,
     user_frame,
 )
 
@@ -154,26 +153,18 @@ U1 = npt.NDArray[np.uint8]
 
 
 @dataclass(frozen=True, slots=True)
-class RankDigest:
-    """The compact, analyzable form of one rank's dump (see module doc)."""
+class RankDigest(HeaderFields):
+    """The compact, analyzable form of one rank's dump (see module doc).
+
+    ``header`` is the trace's own :class:`~frforensics.model.DumpHeader` (read
+    through as ``d.host`` etc.; ``format`` and ``dump_reason`` as their string
+    values), with ``dropped`` raised by :func:`windowed`.
+    """
 
     rank: int
-    rank_from: str
-    source: str
-    format: str
-    version: str
-    world_size: int | None
-    host: str | None
-    pid: int | None
-    dump_reason: str
-    dump_detail: str
-    dump_time_ns: int | None
-    completion_resolution_ns: int
-    dropped: int
+    header: DumpHeader
     groups: tuple[GroupInfo, ...]
-    threads: tuple[ThreadStack, ...]
-    stale_peers: tuple[PeerHeartbeat, ...]
-    death: DeathInfo | None
+    #: the trace's notes and the digest's own (seqs renumbered, ring cut, ...)
     notes: tuple[str, ...]
     # matching columns, one row per entry, oldest first
     group: I4
@@ -204,8 +195,6 @@ class RankDigest:
     #: the dump shows GPU progress (a ``started`` entry or a discovered start
     #: time: NCCL's CUDA events); gloo dumps never do
     gpu_states: bool = False
-    #: ops the dump does not record (gloo's send/recv, from ``pg_status``)
-    unrecorded_ops: int = 0
     #: GPU time of each entry's unit in ns (PyTorch's ``duration_ms``: start to end
     #: CUDA event, timing on; a coalesced member takes its closing entry's), -1
     #: where unknown; ``None``: no entry has one
@@ -213,11 +202,14 @@ class RankDigest:
     #: the window starts at a whole unit: the rows were cut by ``windowed``, which
     #: never splits a coalesced block (a ring's own eviction may)
     whole_oldest: bool = False
-    # physical identity (model.RankTrace); None where unknown
-    local_rank: int | None = None
-    cuda_device: int | None = None
-    gpu_uuid: str | None = None
-    pci_bus_id: str | None = None
+
+    @property
+    def format(self) -> str:
+        return self.header.format.value
+
+    @property
+    def dump_reason(self) -> str:
+        return self.header.dump_reason.value
 
     def __len__(self) -> int:
         return int(self.seq.shape[0])
@@ -595,22 +587,8 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
     details = _details(trace, sorted(keep), state, is_p2p, seq)
     out = RankDigest(
         rank=rank,
-        rank_from=trace.rank_from,
-        source=trace.source,
-        format=trace.format.value,
-        version=trace.version,
-        world_size=trace.world_size,
-        host=trace.host,
-        pid=trace.pid,
-        dump_reason=trace.dump_reason.value,
-        dump_detail=trace.dump_detail,
-        dump_time_ns=trace.dump_time_ns,
-        completion_resolution_ns=trace.completion_resolution_ns,
-        dropped=trace.dropped,
+        header=trace.header,
         groups=trace.groups,
-        threads=trace.threads,
-        stale_peers=trace.stale_peers,
-        death=trace.death,
         notes=(*trace.notes, *order_notes, *_unrecorded_note(trace)),
         group=np.ascontiguousarray(e.pg),
         seq=seq,
@@ -633,12 +611,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         numel=np.ascontiguousarray(e.in_numel),
         unit=unit,
         gpu_states=gpu_states,
-        unrecorded_ops=trace.unrecorded_ops,
         duration_ns=duration,
-        local_rank=trace.local_rank,
-        cuda_device=trace.cuda_device,
-        gpu_uuid=trace.gpu_uuid,
-        pci_bus_id=trace.pci_bus_id,
     )
     return out if window is None else windowed(out, window, e.record_id)
 
@@ -679,7 +652,8 @@ def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDig
                       for row, det in d.details.items() if row >= start}
     first = (int(record_id[start]) if record_id is not None and len(record_id) == n
              else d.first_record_id + start)
-    return replace(d, dropped=d.dropped + start, first_record_id=first, whole_oldest=True,
+    return replace(d, header=replace(d.header, dropped=d.dropped + start),
+                   first_record_id=first, whole_oldest=True,
                    notes=(*d.notes, f"ring cut to its newest {window} entries (--window {window}; "
                           "from the earliest unfinished one if older): older entries "
                           "count as evicted"),

@@ -166,8 +166,11 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
     for item in items:
         if isinstance(item, RankDigest):
             groups = tuple(shared.setdefault(key(g), g) for g in item.groups)
+            header = item.header
+            if header.threads:
+                header = replace(header, threads=share.threads(header.threads))
             item = replace(item, groups=groups, details=share.details(item.details),
-                           threads=share.threads(item.threads))
+                           header=header)
         out.append(item)
     return out
 

@@ -62,11 +62,15 @@ from frforensics.analyzer.digest import EntryDetail, RankDigest
 from frforensics.errors import FrForensicsError
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
+    HEADER_FIELDS,
     DeathInfo,
+    DumpHeader,
+    DumpReason,
     Frame,
     GroupInfo,
     OpState,
     PeerHeartbeat,
+    SourceFormat,
     ThreadStack,
     progression,
     progression_members,
@@ -102,7 +106,11 @@ _DATACLASSES: Final[dict[type, int]] = {ThreadStack: _EXT_THREAD, PeerHeartbeat:
                                         DeathInfo: _EXT_DEATH}
 _BY_CODE: Final[dict[int, type]] = {code: cls for cls, code in _DATACLASSES.items()}
 
-_DIGEST_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RankDigest))
+#: a digest's fields as the wire carries them: its header's flat (``format`` and
+#: ``dump_reason`` as their string values), then its own
+_HEADER_KEYS: Final = HEADER_FIELDS
+_OWN_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RankDigest) if f.name != "header")
+_DIGEST_FIELDS: Final = (*_HEADER_KEYS, *_OWN_FIELDS)
 
 
 class WireError(FrForensicsError):
@@ -790,10 +798,24 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
     for v in values:
         if set(v) != set(_DIGEST_FIELDS):
             raise WireError("digest from another version of frforensics (fields differ)")
-        d = RankDigest(**v)
+        d = _digest_of(v)
         check_digest(d, limits)
         out.append(d)
     return out
+
+
+def _digest_of(v: dict[str, Any]) -> RankDigest:
+    """A :class:`RankDigest` from its flat wire fields (``_DIGEST_FIELDS``)."""
+    head = {name: v.pop(name) for name in _HEADER_KEYS}
+    for name, enum_type in (("format", SourceFormat), ("dump_reason", DumpReason)):
+        value = head[name]
+        if type(value) is not str:
+            raise WireError(f"a digest's {name} is not a string")
+        try:
+            head[name] = enum_type(value)
+        except ValueError:
+            raise WireError(f"a digest's {name} {value!r:.40} is not one this version knows") from None
+    return RankDigest(header=DumpHeader(**head), **v)
 
 
 # ------------------------------------------------------------------ checks
@@ -810,9 +832,9 @@ _ARRAY_FIELDS: Final[dict[str, tuple[np.dtype[Any], bool]]] = {
 _I64_MIN: Final = -(1 << 63)
 _I64_MAX: Final = (1 << 63) - 1
 _STR_FIELDS: Final = ("rank_from", "source", "format", "version", "dump_reason", "dump_detail")
-_OPT_STR_FIELDS: Final = ("host", "gpu_uuid", "pci_bus_id")
+_OPT_STR_FIELDS: Final = ("host", "job_id", "gpu_uuid", "pci_bus_id")
 _INT_FIELDS: Final = ("completion_resolution_ns", "dropped", "first_record_id", "unrecorded_ops")
-_OPT_INT_FIELDS: Final = ("pid", "local_rank", "cuda_device")
+_OPT_INT_FIELDS: Final = ("pid", "local_rank", "cuda_device", "dump_monotonic_ns")
 _MAX_NOTES: Final = 4096
 
 
@@ -851,6 +873,9 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
     r = d.rank
     if type(r) is not int or not 0 <= r < limits.max_rank:
         raise WireError(f"a digest's rank {r!r:.40} is not in 0..{limits.max_rank - 1}")
+    if type(d.header) is not DumpHeader or type(d.header.format) is not SourceFormat \
+            or type(d.header.dump_reason) is not DumpReason:
+        raise _bad(r, "header is not a dump header")
     ws = d.world_size
     if ws is not None and (type(ws) is not int or not 1 <= ws <= limits.max_rank):
         raise _bad(r, f"world size {ws!r:.40} is not in 1..{limits.max_rank}")

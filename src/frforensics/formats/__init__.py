@@ -54,7 +54,8 @@ def decode_dump(
     if fmt is SourceFormat.FRDUMP:
         trace = frdump.decode(data, source=source, limits=limits)
         if trace.rank is None and rank_hint is not None:
-            trace = replace(trace, rank=rank_hint, rank_from="filename")
+            trace = replace(trace, rank=rank_hint,
+                            header=replace(trace.header, rank_from="filename"))
         return trace
     if fmt is SourceFormat.NATIVE_PICKLE:
         return native.pickle_to_trace(data, source=source, rank=rank_hint, detail_tail=detail_tail,

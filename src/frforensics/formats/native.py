@@ -51,6 +51,7 @@ from frforensics.formats._shared import shared_ranks
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
     NO_INDEX,
+    DumpHeader,
     EntryTable,
     Frame,
     GroupInfo,
@@ -1118,16 +1119,18 @@ def _assemble(
         strings = [_cut(x, limits) for x in strings]
     return RankTrace(
         rank=header.rank,
-        rank_from=header.rank_from if header.rank is not None else "unknown",
-        source=source,
-        format=fmt,
-        version=header.version,
+        header=DumpHeader(
+            rank_from=header.rank_from if header.rank is not None else "unknown",
+            source=source,
+            format=fmt,
+            version=header.version,
+            unrecorded_ops=unrecorded,
+        ),
         groups=group_tuple,
         strings=tuple(strings),
         stacks=stacks,
         entries=table,
         notes=(*header.notes, *ctx.notes, *_unknown_notes(cols, n)),
-        unrecorded_ops=unrecorded,
     )
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 
 from frforensics.formats import frdump
-from frforensics.model import EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
+from frforensics.model import DumpHeader, EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.recorder import _ring as R
 from frforensics.verdict import STRAGGLERS_SCHEMA, StragglerReport
 
@@ -277,10 +277,12 @@ class LiveStragglers(threading.Thread):
             "timeout_ms": np.full(n, int(self.rec.config.timeout_s * 1000)),
         }
         return RankTrace(
-            rank=r, source="frforensics.live", format=SourceFormat.FRDUMP, version="3",
+            rank=r, header=DumpHeader(
+                source="frforensics.live", format=SourceFormat.FRDUMP, version="3",
+                world_size=self.rec.world_size,
+                dump_time_ns=int(w["comp"].max()) if n else None,
+                completion_resolution_ns=self.rec.resolution_ns),
             groups=tuple(self.groups_of[r]), strings=tuple(names), stacks=(),
-            entries=EntryTable.from_columns(n, cols), world_size=self.rec.world_size,
-            dump_time_ns=int(w["comp"].max()) if n else None,
-            completion_resolution_ns=self.rec.resolution_ns,
+            entries=EntryTable.from_columns(n, cols),
             notes=("live straggler window",),
         )

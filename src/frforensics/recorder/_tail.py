@@ -91,9 +91,8 @@ def tail_trace(trace: RankTrace, *, per_group: int = PER_GROUP) -> RankTrace:
         strings=tuple(strings),
         stacks=tuple(stacks),
         entries=table,
-        threads=tuple(threads),
-        death=death,
-        dropped=trace.dropped + (n - len(rows)),
+        header=dataclasses.replace(trace.header, threads=tuple(threads), death=death,
+                                   dropped=trace.dropped + (n - len(rows))),
         notes=(*trace.notes, f"tail digest: {len(rows)} of {n} entries (unfinished ones and "
                              f"the last {per_group} of each group)"),
     )

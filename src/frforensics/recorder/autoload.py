@@ -14,7 +14,7 @@ def autoload() -> None:
     if not os.environ.get("FRFORENSICS_ENABLE"):
         return
     try:
-        from frforensics.recorder import _autoenable
+        from frforensics.recorder._enable import _autoenable
 
         _autoenable()
     except Exception as exc:  # never break `import torch`

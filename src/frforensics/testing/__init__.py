@@ -8,7 +8,7 @@ scenario states by construction. See docs/builder.md.
 
 from __future__ import annotations
 
-from frforensics.testing.builder import Fault, JobBuilder, Noise
+from frforensics.testing.builder import Fault, JobBuilder, JobSpec, Noise
 from frforensics.testing.dumps import JobDumps, RankRecords
 from frforensics.testing.expected import Expected, ExpectedGroup
 from frforensics.testing.layout import GroupSpec, Layout
@@ -21,6 +21,7 @@ __all__ = [
     "GroupSpec",
     "JobBuilder",
     "JobDumps",
+    "JobSpec",
     "Layout",
     "Noise",
     "RankRecords",

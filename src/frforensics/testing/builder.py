@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -109,6 +111,43 @@ class _Plan:
     random_delay: dict[int, tuple[int, float]] = field(default_factory=dict)
     dead: dict[int, bool] = field(default_factory=dict)  # rank -> leaves a dump
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> where
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """A built job as the builder hands it to :class:`~frforensics.testing.JobDumps`:
+    the options that shape its records and the planned programs, fixed once the
+    faults are applied (the dumps read nothing else of the builder).
+
+    ``cat`` is the plan's op catalog (NCCL mode adds the closing and fused
+    entries' specs to it while rendering); ``programs[r]`` rank ``r``'s
+    instruction ids; ``prefix[stage]`` / ``prefix_instrs[stage]`` the spec /
+    instruction counts of the steps not simulated; ``hung`` the (rank, program
+    position) pairs that never complete; ``dead`` rank -> whether it leaves a
+    dump; ``stuck`` rank -> where its main thread is stuck.
+    """
+
+    layout: Layout
+    seed: int
+    ring_size: int
+    gloo: bool
+    #: NCCL mode (entries as ProcessGroupNCCL records them)
+    nccl: bool
+    #: NCCL mode, how DP gradient buckets are recorded ("members", "fused", ...)
+    dp_style: str
+    timing: bool
+    timeout_ms: int
+    start_time_ns: int
+    #: the recorder's completion polling period (0: exact completion times)
+    poll_ms: float
+    faults: tuple[Fault, ...]
+    cat: Catalog
+    programs: tuple[tuple[int, ...], ...]
+    prefix: tuple[Mapping[int, int], ...]
+    prefix_instrs: tuple[Mapping[int, int], ...]
+    hung: frozenset[tuple[int, int]]
+    dead: Mapping[int, bool]
+    stuck: Mapping[int, str]
 
 
 class JobBuilder:
@@ -459,14 +498,24 @@ class JobBuilder:
                 )
                 dump_ms = max(dump_ms, worst + self._timeout_ms + 1000.0)
         return JobDumps(
-            builder=self,
-            plan=plan,
+            spec=self._spec(plan),
             sim=sim,
             expected=expected,
             dump_ms=dump_ms,
             offsets_ms=np.array(offsets),
-            seed=self.seed,
         )
+
+    def _spec(self, plan: _Plan) -> JobSpec:
+        return JobSpec(
+            layout=self.layout, seed=self.seed, ring_size=self.ring_size, gloo=self._gloo,
+            nccl=self._nccl is not None, dp_style=self._dp_style, timing=self._timing,
+            timeout_ms=self._timeout_ms, start_time_ns=self._start_time_ns,
+            poll_ms=self._poll_ms, faults=tuple(self._faults), cat=plan.cat,
+            programs=tuple(map(tuple, plan.programs)),
+            prefix=tuple(MappingProxyType(c) for c in plan.prefix),
+            prefix_instrs=tuple(MappingProxyType(c) for c in plan.prefix_instrs),
+            hung=frozenset(plan.hung), dead=MappingProxyType(dict(plan.dead)),
+            stuck=MappingProxyType(dict(plan.stuck)))
 
     # ------------------------------------------------------------- internals
     def _kind_counts(self, plan: _Plan, spec_counts: Counter[int]) -> tuple[list[int], ...]:

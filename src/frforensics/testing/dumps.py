@@ -33,6 +33,7 @@ from frforensics.formats import frdump
 from frforensics.model import (
     NO_INDEX,
     DeathInfo,
+    DumpHeader,
     DumpReason,
     EntryTable,
     Frame,
@@ -48,7 +49,7 @@ from frforensics.testing.layout import GROUP_KINDS
 from frforensics.testing.schedule import SITES, WIRE_NAMES, OpSpec, closing_site
 
 if TYPE_CHECKING:
-    from frforensics.testing.builder import JobBuilder, _Plan
+    from frforensics.testing.builder import JobSpec
     from frforensics.testing.simulate import SimResult
 
 __all__ = ["JobDumps", "RankRecords"]
@@ -133,7 +134,7 @@ class _Tables:
     """Per-job tables shared by every rank: strings, stacks, per-spec columns."""
 
     def __init__(self, dumps: JobDumps) -> None:
-        cat = dumps.plan.cat
+        cat = dumps.spec.cat
         strings: list[str] = []
         index: dict[str, int] = {}
 
@@ -186,43 +187,41 @@ class JobDumps:
     def __init__(
         self,
         *,
-        builder: JobBuilder,
-        plan: _Plan,
+        spec: JobSpec,
         sim: SimResult,
         expected: Expected,
         dump_ms: float,
         offsets_ms: npt.NDArray[np.float64],
-        seed: int,
     ) -> None:
-        self.builder = builder
-        self.plan = plan
+        #: what the builder planned (``JobSpec``): the only thing read of it
+        self.spec = spec
         self.sim = sim
         self.expected = expected
         self.dump_ms = dump_ms
         self.offsets_ms = offsets_ms
-        self.seed = seed
-        self.layout = builder.layout
+        self.seed = spec.seed
+        self.layout = spec.layout
         self.world_size = self.layout.world_size
-        self.ring_size = builder.ring_size
-        self.gloo = builder._gloo
-        self.timeout_ms = builder._timeout_ms
-        self.t0_ns = builder._start_time_ns
+        self.ring_size = spec.ring_size
+        self.gloo = spec.gloo
+        self.timeout_ms = spec.timeout_ms
+        self.t0_ns = spec.start_time_ns
         self._tables: _Tables | None = None
         self._prefix_cache: dict[int, dict[str, Any]] = {}
         self._watchdog_rank: int | Literal[False] | None = False
-        self.nccl = builder._nccl is not None
+        self.nccl = spec.nccl
         # NCCL mode: instruction id -> spec id of its closing ``coalesced`` entry, or
         # of the one ``*_coalesced`` entry that stands for the whole block (fast path)
         self._closing: dict[int, int] = {}
         self._fused: dict[int, int] = {}
-        self.timing = builder._timing
+        self.timing = spec.timing
         if self.nccl:
-            cat = plan.cat
+            cat = spec.cat
             for iid, ins in enumerate(list(cat.instrs)):
                 specs = [cat.specs[o] for o in ins.ops]
                 first = specs[0]
                 p2p = any(sp.is_p2p for sp in specs)
-                if not p2p and len(specs) > 1 and builder._dp_style == "fused":
+                if not p2p and len(specs) > 1 and spec.dp_style == "fused":
                     self._fused[iid] = cat.spec(replace(
                         first, op=f"{first.op}_coalesced",
                         in_sizes=tuple(x for sp in specs for x in sp.in_sizes),
@@ -252,12 +251,12 @@ class JobDumps:
     @property
     def dumping_ranks(self) -> list[int]:
         """Ranks that leave an frdump (every rank but the dead ones without a dump)."""
-        return [r for r in range(self.world_size) if self.plan.dead.get(r, True)]
+        return [r for r in range(self.world_size) if self.spec.dead.get(r, True)]
 
     @property
     def native_ranks(self) -> list[int]:
         """Ranks that leave a native dump (dead ranks never do)."""
-        return [r for r in range(self.world_size) if r not in self.plan.dead]
+        return [r for r in range(self.world_size) if r not in self.spec.dead]
 
     @property
     def expected_native(self) -> Expected:
@@ -265,7 +264,7 @@ class JobDumps:
         exp = self.expected
         if "dead_rank" not in exp.kinds:
             return exp
-        dead = tuple(r for r in self.plan.dead)
+        dead = tuple(r for r in self.spec.dead)
         kinds = tuple("missing_dump" if k == "dead_rank" else k for k in exp.kinds)
         return replace(exp, kinds=kinds, missing_dumps=dead)
 
@@ -281,12 +280,12 @@ class JobDumps:
         hit = self._prefix_cache.get(stage)
         if hit is not None:
             return hit
-        cat = self.plan.cat
+        cat = self.spec.cat
         nk = len(GROUP_KINDS)
         coll, p2p = [0] * nk, [0] * nk
         peer: dict[tuple[str, int], int] = {}
         records = 0
-        for sid, n in self.plan.prefix[stage].items():
+        for sid, n in self.spec.prefix[stage].items():
             spec = cat.specs[sid]
             k = GROUP_KINDS.index(spec.group)
             if spec.is_p2p:
@@ -308,11 +307,11 @@ class JobDumps:
     def _blocked_nccl(self, rank: int) -> tuple[str, str, int] | None:
         """NCCL mode: (group kind, seq kind, seq) of the instruction the GPU is blocked in."""
         sim = self.sim
-        if sim.finished[rank] or rank in self.plan.dead:
+        if sim.finished[rank] or rank in self.spec.dead:
             return None
-        cat = self.plan.cat
+        cat = self.spec.cat
         pc = int(sim.pc[rank])
-        prog = self.plan.programs[rank][: pc + 1]
+        prog = self.spec.programs[rank][: pc + 1]
         last = cat.instrs[prog[-1]]
         first = cat.specs[last.ops[0]]
         p2p = any(cat.specs[o].is_p2p for o in last.ops)
@@ -357,11 +356,11 @@ class JobDumps:
         done = ~np.isnan(comp)
         state = np.where(done, OpState.COMPLETED, OpState.STARTED).astype(np.uint8)
         idx = sim.instr_index[rank]
-        for r_, pos in self.plan.hung:
+        for r_, pos in self.spec.hung:
             if r_ == rank:
                 state[(idx == pos) & ~done] = OpState.SCHEDULED
         off = self.offsets_ms[rank]
-        poll = self.builder._poll_ms
+        poll = self.spec.poll_ms
         if poll > 0:
             rng = np.random.default_rng([self.seed, rank, 7])
             d_start = rng.uniform(0.0, poll, n)
@@ -397,7 +396,7 @@ class JobDumps:
             )
         pend = np.flatnonzero(state != OpState.COMPLETED)
         blocked = None
-        if len(pend) and rank not in self.plan.dead:
+        if len(pend) and rank not in self.spec.dead:
             j = int(pend[0])
             blocked = (GROUP_KINDS[int(kind[j])], "p2p" if p2p[j] else "collective",
                        int(p2p_seq[j] if p2p[j] else seq[j]))
@@ -431,12 +430,12 @@ class JobDumps:
         hit = self._prefix_cache.get(key)
         if hit is not None:
             return hit
-        cat = self.plan.cat
+        cat = self.spec.cat
         nk = len(GROUP_KINDS)
         coll, p2p, ops = [0] * nk, [0] * nk, [0] * nk
         peer: dict[tuple[str, int], int] = {}
         records = 0
-        for iid, n in self.plan.prefix_instrs[stage].items():
+        for iid, n in self.spec.prefix_instrs[stage].items():
             ins = cat.instrs[iid]
             first = cat.specs[ins.ops[0]]
             k = GROUP_KINDS.index(first.group)
@@ -475,10 +474,10 @@ class JobDumps:
         seq of the last enqueued/started/retired work, p2p works counting their
         p2p seq (``work.seq_``).
         """
-        cat = self.plan.cat
+        cat = self.spec.cat
         sim = self.sim
         assert sim.t_start is not None
-        prog = self.plan.programs[rank]
+        prog = self.spec.programs[rank]
         pre = self._prefix_nccl(int(self.layout.pp_rank[rank]))
         coll = list(pre["coll"])
         p2pc = list(pre["p2p"])
@@ -490,7 +489,7 @@ class JobDumps:
         enq = sim.t_enqueue[rank].tolist()
         st = sim.t_start[rank].tolist()
         comp = sim.t_complete[rank].tolist()
-        never_start = {pos for r_, pos in self.plan.hung if r_ == rank}
+        never_start = {pos for r_, pos in self.spec.hung if r_ == rank}
         timing = self.timing
         off = float(self.offsets_ms[rank])
         dump_ms = self.dump_time_ms(rank) - off
@@ -588,7 +587,7 @@ class JobDumps:
                 if closing is not None:
                     c_peer.append(NO_INDEX)
                     row(closing, k, state, t0 + 0.002, d_start, d_comp, 2, retired, dur)
-            if blocked is None and not done and rank not in self.plan.dead:
+            if blocked is None and not done and rank not in self.spec.dead:
                 blocked = (first.group, "p2p" if is_p2p else "collective", work_seq)
             touched[k] = True
             status[k][0] = work_seq
@@ -645,7 +644,7 @@ class JobDumps:
 
     def _pending_spec(self, rank: int) -> int | None:
         sim = self.sim
-        if sim.finished[rank] or rank in self.plan.stuck or rank in self.plan.dead:
+        if sim.finished[rank] or rank in self.spec.stuck or rank in self.spec.dead:
             return None
         comp = sim.t_complete[rank]
         pend = np.flatnonzero(np.isnan(comp))
@@ -669,12 +668,12 @@ class JobDumps:
         """Thread stacks at dump time: where the rank's threads are stuck."""
         main_ident = 139_800_000_000_000 + rank * 4096
         watchdog = ThreadStack("frforensics-watchdog", main_ident + 1, False, _WATCHDOG)
-        if rank in self.plan.stuck:
-            return (ThreadStack("MainThread", main_ident, True, _STUCK[self.plan.stuck[rank]]), watchdog)
+        if rank in self.spec.stuck:
+            return (ThreadStack("MainThread", main_ident, True, _STUCK[self.spec.stuck[rank]]), watchdog)
         sid = self._pending_spec(rank)
         if sid is None:
             return (ThreadStack("MainThread", main_ident, True, _IDLE), watchdog)
-        frames, thread = SITES[self.plan.cat.specs[sid].site]
+        frames, thread = SITES[self.spec.cat.specs[sid].site]
         if thread == "python":
             return (ThreadStack("MainThread", main_ident, True, frames), watchdog)
         return (
@@ -711,7 +710,7 @@ class JobDumps:
         has_root = t.root[sids] >= 0
         if has_root.any():
             for j in np.flatnonzero(has_root).tolist():
-                spec = self.plan.cat.specs[int(sids[j])]
+                spec = self.spec.cat.specs[int(sids[j])]
                 root[j] = lay.groups[int(lay.gid_of[spec.group][rank])].ranks[spec.root]
         entries = EntryTable.from_columns(
             n,
@@ -743,7 +742,7 @@ class JobDumps:
                 "stack": t.stack[sids],
             },
         )
-        dead = rank in self.plan.dead
+        dead = rank in self.spec.dead
         first = self._first_watchdog()
         if dead:
             reason, detail = DumpReason.EXCEPTION, "uncaught exception in the training loop"
@@ -759,13 +758,13 @@ class JobDumps:
         )
         stale = tuple(
             PeerHeartbeat(d, round((self.dump_ms - self._death_ms(d)) / 1000.0, 3))
-            for d in sorted(self.plan.dead) if d != rank
+            for d in sorted(self.spec.dead) if d != rank
         )
         death = None
         if dead:
             sid = self._pending_spec(rank)
-            nxt = self.plan.programs[rank][-1] if self.plan.programs[rank] else None
-            site = self.plan.cat.specs[self.plan.cat.instrs[nxt].ops[0]].site if nxt is not None else "barrier"
+            nxt = self.spec.programs[rank][-1] if self.spec.programs[rank] else None
+            site = self.spec.cat.specs[self.spec.cat.instrs[nxt].ops[0]].site if nxt is not None else "barrier"
             del sid
             death = DeathInfo(
                 "exception",
@@ -774,26 +773,28 @@ class JobDumps:
             )
         return RankTrace(
             rank=rank,
-            source=f"<synthetic rank {rank}>",
-            format=SourceFormat.FRDUMP,
-            version=str(frdump.VERSION),
+            header=DumpHeader(
+                source=f"<synthetic rank {rank}>",
+                format=SourceFormat.FRDUMP,
+                version=str(frdump.VERSION),
+                world_size=self.world_size,
+                host=self.host(rank),
+                pid=self.pid(rank),
+                job_id=f"synthetic-{self.seed}",
+                dump_reason=reason,
+                dump_detail=detail,
+                dump_time_ns=dump_ns,
+                dump_monotonic_ns=dump_ns - self.t0_ns + 10_000_000_000,
+                completion_resolution_ns=int(self.spec.poll_ms * 1e6),
+                dropped=rec.dropped,
+                threads=() if dead else self.threads(rank),
+                stale_peers=() if dead else stale,
+                death=death,
+            ),
             groups=groups,
             strings=t.strings,
             stacks=t.stacks,
             entries=entries,
-            world_size=self.world_size,
-            host=self.host(rank),
-            pid=self.pid(rank),
-            job_id=f"synthetic-{self.seed}",
-            dump_reason=reason,
-            dump_detail=detail,
-            dump_time_ns=dump_ns,
-            dump_monotonic_ns=dump_ns - self.t0_ns + 10_000_000_000,
-            completion_resolution_ns=int(self.builder._poll_ms * 1e6),
-            dropped=rec.dropped,
-            threads=() if dead else self.threads(rank),
-            stale_peers=() if dead else stale,
-            death=death,
         )
 
     def traces(self, fmt: Literal["frdump", "pickle", "json"] = "frdump") -> dict[int, RankTrace]:
@@ -811,7 +812,7 @@ class JobDumps:
         """``rank``'s native flight-recorder document (what PyTorch pickles)."""
         t = self.tables
         lay = self.layout
-        cat = self.plan.cat
+        cat = self.spec.cat
         rec = self.records(rank)
         backend = "gloo" if self.gloo else "nccl"
         kinds = [k for k in GROUP_KINDS if lay.gid_of[k][rank] >= 0]

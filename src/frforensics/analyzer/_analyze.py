@@ -1,0 +1,272 @@
+"""One analysis: detectors over the merged job, then the findings ordered, the
+consequences of a root cause dropped, culprits, per-rank facts, actions and the
+drawn timeline put together into the :class:`~frforensics.report.Report`
+(``frforensics.analyzer.analyze``, re-exported by the package's facade).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from frforensics._gc import gc_paused
+from frforensics.analyzer.actions import derive_actions
+from frforensics.analyzer.context import AnalyzeOptions, Context
+from frforensics.analyzer.detectors import DETECTORS, straggler
+from frforensics.analyzer.load import DumpSet
+from frforensics.analyzer.merge import build_job
+from frforensics.analyzer.waits import build_wait_graph
+from frforensics.model import OpState
+from frforensics.report import (
+    Finding,
+    FindingKind,
+    RankFacts,
+    RankTimeline,
+    Report,
+    Severity,
+    TimelineOp,
+    timeline_ranks,
+)
+
+__all__ = ["analyze"]
+
+# Order of root causes at the top level: a desync explains the hang it causes.
+_KIND_ORDER = [
+    FindingKind.OP_MISMATCH,
+    FindingKind.SIZE_MISMATCH,
+    FindingKind.DTYPE_MISMATCH,
+    FindingKind.DEAD_RANK,
+    FindingKind.CROSS_PG_DEADLOCK,
+    FindingKind.P2P_DEADLOCK,
+    FindingKind.MISSING_RANK,
+    FindingKind.MISSING_DUMP,
+    FindingKind.TIMEOUT,
+    FindingKind.STRAGGLER,
+    FindingKind.INCOMPLETE_DUMP,
+]
+
+
+def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
+    """Analyze a loaded :class:`DumpSet` and return the :class:`Report`."""
+    # the digests are millions of long-lived objects at scale: a collection
+    # rescans them all (20 % of the analysis at 4096 ranks); no cycles are made
+    with gc_paused():
+        return _analyze(dumps, options or AnalyzeOptions())
+
+
+def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
+    if not dumps.digests:
+        return Report(
+            world_size=options.world_size,
+            ranks_loaded=(),
+            ranks_missing=(),
+            culprit_ranks=(),
+            ranks={},
+            findings=(),
+            load_problems=tuple(dumps.problems),
+            notes=("no readable dump found",),
+            unreadable=True,
+        )
+    job = build_job(dumps.digests, world_size=options.world_size)
+    graph = build_wait_graph(job, hang_after_s=options.hang_after_s)
+    ctx = Context.build(job, graph, options)
+    findings: list[Finding] = []
+    for detector in DETECTORS:
+        findings.extend(detector(ctx))
+    findings = _explained_by_desync(findings)
+    findings = _hidden_p2p_roots(ctx, findings)
+    findings, beside = _stragglers_beside_errors(findings)
+    findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
+                                 -len(f.waiting_ranks)))
+    notes = list(job.notes)
+    notes.extend(beside)
+    if not any(f.kind is FindingKind.STRAGGLER for f in findings):
+        notes.extend(straggler.unjudged(ctx))
+    if graph.young and not findings:
+        notes.append(
+            f"rank(s) {ctx.ranks(graph.young)} had ops in flight younger than "
+            f"{options.hang_after_s:g} s at dump time: not counted as hangs"
+        )
+    if dumps.companions:
+        notes.append(f"used frforensics' dump where PyTorch's own dump of the same rank lay "
+                     f"beside it ({len(dumps.companions)} file(s))")
+    if dumps.skipped:
+        notes.append(f"skipped {len(dumps.skipped)} file(s) that are not dumps")
+    culprits = _culprits(findings)
+    facts = _facts(ctx)
+    report = Report(
+        world_size=job.world_size,
+        ranks_loaded=tuple(sorted(job.digests)),
+        # too many to list: the report holds them as ranges (rankset.listable)
+        ranks_missing=tuple(job.missing_dumps) if job.silent_listed else job.missing_dumps,
+        culprit_ranks=culprits,
+        ranks=facts,
+        findings=tuple(findings),
+        load_problems=tuple(dumps.problems),
+        notes=tuple(notes),
+        actions=derive_actions(ctx, findings, culprits, facts),
+    )
+    # Only the HTML report draws timelines, of at most options.timeline_ranks ranks:
+    # a large job builds them for those ranks only (half a million ops at 16k ranks)
+    ranks = None
+    if len(job.digests) > 8 * options.timeline_ranks:
+        ranks = timeline_ranks(report, job.digests, options.timeline_ranks)
+    return replace(report, timeline=_timeline(ctx, ranks))
+
+
+def _stragglers_beside_errors(findings: list[Finding]) -> tuple[list[Finding], list[str]]:
+    """A straggler beside a hang or desync is a note, not a culprit.
+
+    Around a hang or a desync the ranks stop at different points, run ahead or
+    wait out the failure, so their arrival times say more about the fault than
+    about a slow GPU: a rank that looks late there is not named beside the root
+    cause (issue 20: noisy ranks were added as second and third culprits beside
+    real mismatches). The straggler's text stays in the notes.
+    """
+    if not any(f.severity is Severity.ERROR for f in findings):
+        return findings, []
+    kept = [f for f in findings if f.kind is not FindingKind.STRAGGLER]
+    notes = [f"straggler not named beside the error finding(s) (arrival times around a hang "
+             f"or desync are distorted): {f.message}"
+             for f in findings if f.kind is FindingKind.STRAGGLER]
+    return kept, notes
+
+
+def _timeline(ctx: Context, ranks: list[int] | None = None) -> tuple[RankTimeline, ...]:
+    """Each rank's (or each of ``ranks``') kept entries (last ones and unfinished
+    ones), for drawn timelines."""
+    out: list[RankTimeline] = []
+    # Labels per group and locations per stack are computed once: at 16k ranks
+    # the timeline holds half a million ops sharing a few hundred of each.
+    labels: dict[int, tuple[str, str]] = {}
+    locations: dict[int, str | None] = {}
+    for rank in sorted(ctx.job.digests) if ranks is None else sorted(ranks):
+        d = ctx.job.digests[rank]
+        wait = ctx.graph.waits.get(rank)
+        ops: list[TimelineOp] = []
+        for row, det in sorted(d.details.items()):
+            gid = ctx.job.group_of.get((rank, det.group))
+            if gid is None:
+                name, label = str(det.group), f"group {det.group}"
+            else:
+                if gid not in labels:
+                    ref = ctx.pg(gid)
+                    labels[gid] = (ref.name, ref.label())
+                name, label = labels[gid]
+            key = id(det.frames)
+            if key not in locations:
+                locations[key] = det.location
+            ops.append(TimelineOp(
+                group=name,
+                group_label=label,
+                seq=det.p2p_seq if det.is_p2p else det.seq,
+                seq_kind="p2p" if det.is_p2p else "collective",
+                op=det.op,
+                state=OpState(det.state).name.lower(),
+                t_enqueue_ns=det.t_enqueue_ns,
+                t_start_ns=det.t_start_ns,
+                t_complete_ns=det.t_complete_ns,
+                peer=det.peer,
+                in_shapes=det.in_shapes,
+                in_dtypes=det.in_dtypes,
+                location=locations[key],
+                blocking=wait is not None and wait.row == row,
+            ))
+        out.append(RankTimeline(rank=rank, dump_time_ns=d.dump_time_ns, ops=tuple(ops)))
+    return tuple(out)
+
+
+_DESYNC = {FindingKind.OP_MISMATCH, FindingKind.DTYPE_MISMATCH, FindingKind.SIZE_MISMATCH}
+_HANG_IN_GROUP = {FindingKind.MISSING_RANK, FindingKind.TIMEOUT, FindingKind.P2P_DEADLOCK}
+
+
+def _explained_by_desync(findings: list[Finding]) -> list[Finding]:
+    """Drop hangs in a group at or after a seq where its members desynced.
+
+    Once members disagree at seq s, later collectives of the group pair up the
+    wrong calls, so ranks stop at different seqs: those stops are consequences
+    of the desync, not more culprits.
+    """
+    first: dict[tuple[str, Sequence[int] | None], int] = {}
+    for f in findings:
+        if f.kind in _DESYNC and f.pg is not None and f.seq is not None:
+            key = (f.pg.name, f.pg.ranks)
+            first[key] = min(first.get(key, f.seq), f.seq)
+    if not first:
+        return findings
+    kept = []
+    for f in findings:
+        if (f.kind in _HANG_IN_GROUP and f.pg is not None and f.seq is not None
+                and f.seq_kind == "collective"
+                and (f.pg.name, f.pg.ranks) in first and f.seq >= first[(f.pg.name, f.pg.ranks)]):
+            continue
+        kept.append(f)
+    return kept
+
+
+def _hidden_p2p_roots(ctx: Context, findings: list[Finding]) -> list[Finding]:
+    """Never name a rank that may only be blocked in a send/recv the dumps do not show.
+
+    PyTorch's gloo recorder skips send/recv: a rank blocked in a pipeline recv
+    looks idle, exactly like a rank stuck in Python. A ``missing_rank`` culprit
+    that issued such unrecorded ops (``RankDigest.unrecorded_ops``) is therefore
+    uncertain. Where another error finding names certain culprits, the uncertain
+    ones are dropped (they are most likely that fault's waiters); otherwise they
+    stay, with no culprit named, their ranks listed as candidates.
+    """
+    def uncertain(f: Finding) -> bool:
+        return f.kind is FindingKind.MISSING_RANK and any(
+            ctx.job.digests[r].unrecorded_ops > 0 for r in f.culprit_ranks
+            if r in ctx.job.digests)
+
+    shaky = [f for f in findings if uncertain(f)]
+    if not shaky:
+        return findings
+    certain = [f for f in findings if f.severity is Severity.ERROR and not uncertain(f)
+               and f.culprit_ranks]
+    if certain:
+        return [f for f in findings if not uncertain(f)]
+    candidates = sorted({r for f in shaky for r in f.culprit_ranks})
+    lead = (f"no culprit named (gloo dumps do not record send/recv, and rank(s) "
+            f"{ctx.ranks(candidates)} issued some: each may be blocked in one, waiting for "
+            "another, so the dumps cannot tell which of them is the root; candidates in "
+            "evidence.candidates): ")
+    return [replace(f, culprit_ranks=(), message=lead + f.message,
+                    evidence={**f.evidence, "candidates": candidates,
+                              "hidden_p2p": True}) if uncertain(f) else f
+            for f in findings]
+
+
+def _culprits(findings: list[Finding]) -> tuple[int, ...]:
+    errors = [f for f in findings if f.severity is Severity.ERROR]
+    chosen = errors or [f for f in findings if f.kind is FindingKind.STRAGGLER]
+    out: list[int] = []
+    for finding in chosen:
+        for rank in finding.culprit_ranks:
+            if rank not in out:
+                out.append(rank)
+    return tuple(out)
+
+
+def _facts(ctx: Context) -> dict[int, RankFacts]:
+    facts: dict[int, RankFacts] = {}
+    for rank, d in ctx.job.digests.items():
+        wait = ctx.graph.waits.get(rank)
+        stuck = d.stuck_at()
+        if stuck is None and wait is not None:
+            stuck = wait.location
+        facts[rank] = RankFacts(
+            rank=rank,
+            host=d.host,
+            pid=d.pid,
+            dump_reason=d.dump_reason,
+            stuck_at=stuck,
+            blocked_in=None if wait is None else ctx.describe(wait),
+            source=d.source,
+            format=d.format,
+            local_rank=d.local_rank,
+            cuda_device=d.cuda_device,
+            gpu_uuid=d.gpu_uuid,
+            pci_bus_id=d.pci_bus_id,
+        )
+    return facts
