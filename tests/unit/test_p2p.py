@@ -207,9 +207,10 @@ def _stepped(rank: int, steps: list[list[tuple[str, int]]], *, pending: int = 1)
                           if s == OpState.COMPLETED else 0 for i, s in enumerate(done)],
         "timeout_ms": np.full(n, 600_000),
     }
-    return RankTrace(rank=rank, source=f"r{rank}", format=SourceFormat.FRDUMP, version="3",
+    return RankTrace(rank=rank, header=DumpHeader(source=f"r{rank}", format=SourceFormat.FRDUMP,
+                                                  version="3", world_size=2),
                      groups=(GroupInfo("0", "default_pg", (0, 1)),), strings=strings, stacks=(),
-                     entries=EntryTable.from_columns(n, cols), world_size=2)
+                     entries=EntryTable.from_columns(n, cols))
 
 
 STAGE0 = [("send", 1), ("recv", 1)]  # forward out, gradient in
