@@ -17,6 +17,7 @@ from rich.markup import escape
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
 from frforensics.reporting._escape import printable
 from frforensics.reporting._shared import action_lines, code_sides, rank_states
+from frforensics.verdict import first_clause
 
 _STATUS_STYLE = {
     Status.HEALTHY: "bold green",
@@ -44,15 +45,9 @@ def _culprit_line(report: Report) -> str:
 
 
 def _headline(finding: Finding) -> str:
-    """The finding's first clause: the verdict line stays one readable sentence."""
-    text = finding.message
-    depth = 0
-    for i, ch in enumerate(text):
-        depth += (ch == "(") - (ch == ")")
-        if depth == 0 and ch in ";." and text[i + 1:i + 2] == " " and i > 0:
-            text = text[:i]
-            break
-    return text[0].upper() + text[1:]
+    """The finding's first clause: the verdict line stays one readable sentence
+    (the one rule, ``verdict.first_clause``, which the recorder's headline uses too)."""
+    return first_clause(finding.message)
 
 
 def render(report: Report, *, width: int = 100, color: bool = False) -> str:
