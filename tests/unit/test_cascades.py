@@ -157,24 +157,43 @@ def test_a_rank_lost_after_a_desync_is_a_consequence_not_a_culprit(tmp_path):
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-def test_native_crash_dumps_name_the_missing_rank_as_the_candidate_not_a_culprit():
+def test_native_crash_dumps_name_the_missing_rank_as_the_culprit_of_a_hang_with_medium_confidence():
     # PyTorch's own gloo dumps after rank 1 os._exit'ed (tests/data/native_crash):
-    # no death record, the failed op retired on some survivors only
+    # no death record, the failed op retired on some survivors only. Issue 19: the
+    # missing file among ranks that all stopped at one op is evidence -> a hang
     report = analyze(load_dumps([DATA / "native_crash"], jobs=1),
                      options=AnalyzeOptions(world_size=4))
-    assert report.culprit_ranks == ()
-    warn = [f for f in report.findings if f.kind is FindingKind.MISSING_DUMP]
-    assert warn and warn[0].severity is Severity.WARNING
-    assert warn[0].evidence["candidates"] == [1] and (warn[0].op, warn[0].seq) == ("all_reduce", 4)
+    assert report.culprit_ranks == (1,)
+    assert report.status.value == "hang"
+    f = report.findings[0]
+    assert f.kind is FindingKind.MISSING_DUMP and f.severity is Severity.ERROR
+    assert (f.op, f.seq) == ("all_reduce", 4)
+    assert f.evidence["confidence"] == "medium" and f.evidence["missing"] == [1]
+    assert "healthy job dumped mid-op" in f.message  # says how sure, and why not more
+    assert [str(a.action) for a in report.actions] == ["inspect"]
 
 
 @pytest.mark.parametrize("drop", [0, 1, 2, 3])
-def test_a_healthy_native_job_with_one_file_not_collected_is_not_a_hang(tmp_path, drop):
+def test_a_healthy_native_job_dumped_mid_op_with_one_file_not_collected(tmp_path, drop):
+    # The same pattern as the crash above (tests/data/native/healthy: #31 retired on
+    # ranks 1, 3 only): the dumps cannot tell the two apart, so the missing rank is
+    # named with medium confidence and the action is inspect, never a replacement
     import shutil
 
     for src in (DATA / "native" / "healthy" / "pickle").iterdir():
         if not src.name.endswith(f"_{drop}"):
             shutil.copy(src, tmp_path / src.name)
+    report = analyze(load_dumps([tmp_path], jobs=1), options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == (drop,)
+    assert [f.evidence.get("confidence") for f in report.findings if f.culprit_ranks] == ["medium"]
+    assert {str(a.action) for a in report.actions} == {"inspect"}
+
+
+def test_a_healthy_native_job_whose_ranks_all_finished_with_one_file_missing_is_not_a_hang(tmp_path):
+    # every dumped rank retired its newest op: nothing stopped there
+    job = JobBuilder(world_size=4, dp=4, seed=3).steps(6).gloo_style()
+    job.build().write_native(tmp_path)
+    (tmp_path / "nccl_trace_rank_2").unlink()
     report = analyze(load_dumps([tmp_path], jobs=1), options=AnalyzeOptions(world_size=4))
     assert report.culprit_ranks == ()
     assert not [f for f in report.findings if f.severity is Severity.ERROR]
@@ -201,3 +220,29 @@ def test_real_desync_victim_aborted_by_gloo_is_not_a_culprit():
     assert report.culprit_ranks == (0,), [f.message for f in report.findings]
     victim = [f for f in report.findings if f.kind is FindingKind.MISSING_DUMP]
     assert victim and victim[0].evidence == {"ranks": [3], "consequence_of": "desync"}
+
+
+@pytest.mark.parametrize(("case", "world_size"), [("tp-raise", 4), ("dp_tp-exit", 4),
+                                                   ("dp_tp-raise", 4)])
+def test_real_native_dumps_of_a_crashed_rank_in_tp_and_2d_jobs_name_that_rank(case, world_size):
+    # tests/data/native_workloads: rank 1 raised or exited; gloo retired the op its
+    # peers failed in, so "completed on some members" is no proof the op ran when a
+    # member never entered it (merge.JobModel._completed_elsewhere), and a rank that
+    # stopped right after an op shared with the lost rank failed because of it
+    report = analyze(load_dumps([DATA / "native_workloads" / case], jobs=1),
+                     options=AnalyzeOptions(world_size=world_size))
+    assert report.culprit_ranks == (1,), [f.message for f in report.findings]
+    assert report.status.value == "hang"
+    assert [str(a.action) for a in report.actions] == ["inspect"]
+
+
+def test_the_same_dumps_complete_are_not_blamed_on_the_rank_that_stopped(tmp_path):
+    # dp_tp-exit without the rule: rank 3 (stopped after its dp all_gather with the
+    # lost rank 1) was the missing_rank culprit; it is a consequence now
+    report = analyze(load_dumps([DATA / "native_workloads" / "dp_tp-exit"], jobs=1),
+                     options=AnalyzeOptions(world_size=4))
+    f = report.findings[0]
+    assert f.kind is FindingKind.MISSING_DUMP and f.culprit_ranks == (1,)
+    assert f.evidence["basis"] == "stopped_with_missing_rank"
+    assert f.evidence["confidence"] == "medium" and list(f.evidence["stopped"]) == ["3"]
+    assert 3 not in report.culprit_ranks

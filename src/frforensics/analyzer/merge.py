@@ -303,18 +303,25 @@ class JobModel:
         if gid is None:
             return False
         seq = int(d.seq[row])
+        done = False
         for member in self.dumped_members(gid):
             if member == rank:
                 continue
             view = self.view(member, gid)
-            if view is None or len(view.coll_rows) == 0 or not \
-                    view.min_seq <= seq <= view.max_seq:
+            if view is None or len(view.coll_rows) == 0:
+                continue
+            if view.max_seq < seq:
+                # a member never entered it: it cannot have run anywhere, and the
+                # peers that retired it retired a failure (gloo retires failed work
+                # as it retires completed work: tests/data/native_crash)
+                return False
+            if not view.min_seq <= seq:
                 continue
             other = self.digests[member]
             rows = view.coll_rows[other.seq[view.coll_rows] == seq]
             if len(rows) and bool((other.state[rows] == OpState.COMPLETED).all()):
-                return True
-        return False
+                done = True
+        return done
 
     def state_in(self, rank: int, gid: int, seq: int) -> OpState | None:
         """``rank``'s (effective) state in collective ``seq`` of ``gid``, if in its ring."""

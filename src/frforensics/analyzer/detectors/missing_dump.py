@@ -12,18 +12,21 @@ that desynced is a consequence of the desync (a warning, never a culprit).
 
 Where every dumped rank stopped at one op: PyTorch's own gloo dumps record no
 death and never a state but ``scheduled`` (retirement only). A missing member of
-the collective that is every dumped rank's newest op, unfinished on *all* of them,
-is the culprit of a hang (error, ``evidence.confidence`` high: the others are
-stuck there); unfinished on only *some* of them is a warning naming it as the
-candidate without a culprit — gloo retires a failed op as it retires a completed
-one, so a crash there reads exactly like a healthy job dumped mid-op whose file was
-not collected (both measured: ``tests/data/native_crash``, ``tests/data/native/
-healthy`` minus one file).
+the collective that is every dumped rank's newest op is the culprit of a hang
+(error, issue 19: a missing file among ranks that all stopped at the same op is
+evidence), with how sure in ``evidence.confidence``: ``high`` when the op is
+unfinished on *all* of them (they are stuck there), ``medium`` when it is
+unfinished on only *some* — gloo retires a failed op as it retires a completed
+one, so a crash there reads exactly like a healthy job dumped mid-op whose file
+was not collected (both measured: ``tests/data/native_crash``,
+``tests/data/native/healthy`` minus one file); the message says so, and that
+collecting the missing file settles it. A job whose dumped ranks all finished
+their newest op never qualifies.
 
 Worked example (PyTorch's gloo dumps; rank 1 ``os._exit``s before all_reduce #4)::
 
     ranks 0,3: newest op all_reduce #4, unretired; rank 2: #4 retired; rank 1: no file
-    -> missing_dump, warning, no culprit, evidence.candidates [1]
+    -> missing_dump, error, culprit 1, evidence.confidence medium
 
 Worked example (4 ranks, rank 3's node rebooted, no dump)::
 
@@ -55,7 +58,7 @@ from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors._cascade import cascade
 from frforensics.analyzer.detectors._roots import primary_wait, since
 from frforensics.analyzer.waits import Wait
-from frforensics.model import OpState
+from frforensics.model import OpState, SourceFormat
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
 from frforensics.report import Finding, FindingKind, Severity, format_ranks
 
@@ -63,6 +66,65 @@ from frforensics.report import Finding, FindingKind, Severity, format_ranks
 def stale_ranks(ctx: Context) -> set[int]:
     """Ranks whose heartbeat some other rank's dump reports as stale."""
     return {p.rank for d in ctx.job.digests.values() for p in d.stale_peers}
+
+
+def stopped_with_missing(ctx: Context) -> dict[int, tuple[int, int, tuple[int, ...]]]:
+    """Ranks at the end of wait chains that stopped right after an op shared with
+    ranks that left no dump: ``{rank: (gid, row, those ranks)}``.
+
+    Only in PyTorch's own gloo dumps (states from retirement alone, no death and no
+    exception recorded): there a retired op may have *failed* — gloo retires failed
+    work as it retires completed work (torch-2.13-facts.md) — so a rank that others
+    wait on, whose newest collective is retired, the newest of its group on every
+    dumped member (the group went no further: else it ran), and was shared with a
+    rank that left no dump (or whose dump never reached it), most likely stopped
+    because that rank died in it (measured: the
+    2-D ``dp_tp`` job of scripts/workloads, rank 1 ``os._exit``s; rank 3's dp
+    all_gather with rank 1 is retired, rank 3 never enters its tp all_reduce, and
+    rank 2 waits there). The missing rank is the culprit, not the one that stopped.
+    """
+    out: dict[int, tuple[int, int, tuple[int, ...]]] = {}
+    if not ctx.job.silent_listed:
+        return out
+    # a rank lost to a desync (gloo aborts a receiver of the wrong size) or one the
+    # cascade names already is not this rule's to blame
+    missing = set(ctx.job.missing_dumps) - set(cascade(ctx).desync_victims) - stale_ranks(ctx)
+    for rank, root in ctx.graph.roots.items():
+        d = ctx.job.digests.get(rank)
+        if root.kind != "free" or d is None or d.gpu_states \
+                or d.header.format is SourceFormat.FRDUMP:
+            continue
+        rows = np.flatnonzero(d.is_p2p == 0)
+        if len(rows) == 0:
+            continue
+        row = int(rows[-1])
+        if int(d.state[d.unit_of(row)]) != OpState.COMPLETED:
+            continue
+        gid = ctx.job.group_of.get((rank, int(d.group[row])))
+        if gid is None:
+            continue
+        seq = int(d.seq[row])
+        if any(_went_past(ctx, m, gid, seq) for m in ctx.job.dumped_members(gid)):
+            continue  # the group went on after it: it ran
+        gone = tuple(sorted({*(m for m in ctx.job.groups[gid].ranks if m in missing),
+                             *(m for m in ctx.job.dumped_members(gid) if _never_entered(
+                                 ctx, m, gid, seq))}))
+        if gone:
+            out[rank] = (gid, row, gone)
+    return out
+
+
+def _went_past(ctx: Context, rank: int, gid: int, seq: int) -> bool:
+    """Whether ``rank`` entered a collective of ``gid`` after ``seq``."""
+    view = ctx.job.view(rank, gid)
+    return view is not None and len(view.coll_rows) > 0 and view.max_seq > seq
+
+
+def _never_entered(ctx: Context, rank: int, gid: int, seq: int) -> bool:
+    """Whether ``rank``'s dump shows it never reached collective ``seq`` of ``gid``
+    (its newest op there is older; unknown when it recorded none there)."""
+    view = ctx.job.view(rank, gid)
+    return view is not None and len(view.coll_rows) > 0 and view.max_seq < seq
 
 
 def detect(ctx: Context) -> list[Finding]:
@@ -119,56 +181,20 @@ def detect(ctx: Context) -> list[Finding]:
             # the dumps prove the others wait on it; why it left no file they cannot say
             evidence={"direct_waiters": sorted({w.rank for w in direct}), "confidence": "high"},
         ))
+    stopped = stopped_with_missing(ctx)
+    blamed = sorted({m for _, _, gone in stopped.values() for m in gone
+                     if m not in ctx.job.digests})
+    if blamed:
+        silent = [r for r in silent if r not in blamed]
+        findings.append(stopped_finding(ctx, stopped, blamed))
     stop = _common_stop(ctx, silent) if silent else None
-    if stop is not None and not stop[5]:
-        # some ranks retired the op: a crash there, or a healthy job dumped mid-op
-        # whose file was not collected; the dumps cannot tell which
-        gid, seq, op, location, at, _ = stop
-        cands = sorted(at)
-        silent = [r for r in silent if r not in at]
-        findings.append(Finding(
-            kind=FindingKind.MISSING_DUMP,
-            severity=Severity.WARNING,
-            message=(f"no dump from rank(s) {ctx.ranks(cands)}, members of {op} #{seq} on "
-                     f"{ctx.pg_label(gid)}, the newest op of every rank that dumped; it is "
-                     "still unfinished on some of them: rank(s) "
-                     f"{ctx.ranks(cands)} may have died there, but a healthy job dumped "
-                     "mid-op whose file was not collected looks the same (PyTorch's gloo "
-                     "recorder retires a failed op as it retires a completed one), so no "
-                     "culprit is named; check those ranks' hosts and logs"),
-            culprit_ranks=(),
-            pg=ctx.pg(gid), seq=seq, seq_kind="collective", op=op, location=location,
-            evidence={"basis": "missing_dump_at_common_stop", "confidence": "low",
-                      "candidates": cands},
-        ))
-        stop = None
     if stop is not None:
-        gid, seq, op, location, at, _ = stop
-        stopped = [r for r in silent if r in at]
+        gid, seq, op, location, at, stuck = stop
+        lost_at = sorted(r for r in silent if r in at)
         silent = [r for r in silent if r not in at]
         others = sorted(ctx.job.digests)
-        where = f"{op} #{seq} on {ctx.pg_label(gid)}"
-        findings.append(Finding(
-            kind=FindingKind.MISSING_DUMP,
-            severity=Severity.ERROR,
-            message=(f"rank(s) {ctx.ranks(stopped)} left no dump, and every rank that did "
-                     f"({ctx.ranks(others)}) stopped at the same unfinished {where}, of which "
-                     f"rank(s) {ctx.ranks(stopped)} are members: they most likely died or hung "
-                     "hard before or in it (a rank that dies hard writes nothing; PyTorch's "
-                     "gloo recorder records no death). How sure: every dumped member agrees "
-                     "on where the job stopped, so the hang is certain; that the missing "
-                     "rank caused it rests on its missing file — if its dump was only not "
-                     "collected, collect it and analyze again"),
-            culprit_ranks=tuple(stopped),
-            waiting_ranks=tuple(others),
-            pg=ctx.pg(gid),
-            seq=seq,
-            seq_kind="collective",
-            op=op,
-            location=location,
-            evidence={"basis": "missing_dump_at_common_stop", "confidence": "high",
-                      "stopped_ranks": others, "missing": stopped},
-        ))
+        findings.append(_common_stop_finding(ctx, lost_at, others, gid, seq, op, location,
+                                             stuck))
     if silent:
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
@@ -193,6 +219,87 @@ def detect(ctx: Context) -> list[Finding]:
     if not listed or ctx.graph.unlisted is not None:
         findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
+
+
+def stopped_finding(ctx: Context, stopped: dict[int, tuple[int, int, tuple[int, ...]]],
+                     blamed: list[int]) -> Finding:
+    """The ranks that the ranks others wait on stopped with (see
+    :func:`stopped_with_missing`): culprits of a hang, confidence medium —
+    ``missing_dump`` for ranks without a dump, ``missing_rank`` for ranks whose
+    dump never reached the op."""
+    first = min(stopped)
+    gid, row, _ = stopped[first]
+    d = ctx.job.digests[first]
+    op = d.op_names.get(int(d.op_hash[row]), "?")
+    detail = d.detail(row)
+    waiters = sorted(set().union(*(ctx.graph.roots[r].waiters for r in stopped)) | set(stopped))
+    direct = sorted({w.rank for r in stopped for w in ctx.graph.roots[r].direct})
+    halted = ctx.ranks(sorted(stopped))
+    dumped = all(r in ctx.job.digests for r in blamed)
+    where = f"{op} #{int(d.seq[row])} on {ctx.pg_label(gid)}"
+    what = f"never entered {where}" if dumped else "left no dump"
+    return Finding(
+        kind=FindingKind.MISSING_RANK if dumped else FindingKind.MISSING_DUMP,
+        severity=Severity.ERROR,
+        message=(f"rank(s) {ctx.ranks(blamed)} {what}; rank(s) {halted}, which ranks "
+                 f"{ctx.ranks(direct)} wait for, stopped right after {where} with them (retired: gloo retires "
+                 f"a failed op as it retires a completed one), so rank(s) {halted} most "
+                 f"likely failed because rank(s) {ctx.ranks(blamed)} failed there. How sure: "
+                 "medium — PyTorch's gloo recorder records no death and no exception; "
+                 + ("if the dumps were taken at different times, dump again"
+                    if dumped else "if the missing dump was only not collected, collect it "
+                    "and analyze again")),
+        culprit_ranks=tuple(blamed),
+        waiting_ranks=tuple(waiters),
+        pg=ctx.pg(gid),
+        seq=int(d.seq[row]),
+        seq_kind="collective",
+        op=op,
+        location=None if detail is None else detail.location,
+        evidence={"basis": "stopped_with_missing_rank", "confidence": "medium",
+                  "stopped": {str(r): ctx.pg_label(g) for r, (g, _, _) in sorted(stopped.items())},
+                  "missing": blamed, "direct_waiters": direct},
+    )
+
+
+def _common_stop_finding(ctx: Context, stopped: list[int], others: list[int], gid: int,
+                         seq: int, op: str, location: str | None, stuck: bool) -> Finding:
+    """The missing member(s) of the op where every dumped rank stopped: the culprit
+    of a hang, with how sure (issue 19: a missing file among ranks that all stopped
+    at one op is evidence). ``stuck``: the op is unfinished on every dumped rank
+    (confidence high); else on some only (medium: PyTorch's gloo recorder retires a
+    failed op as it retires a completed one, so a healthy job dumped mid-op whose
+    file was not collected reads the same)."""
+    where = f"{op} #{seq} on {ctx.pg_label(gid)}"
+    if stuck:
+        state = f"stopped at the same unfinished {where}"
+        sure = ("every dumped member agrees on where the job stopped and is stuck there, so "
+                "the hang is certain; that the missing rank caused it rests on its missing "
+                "file")
+    else:
+        state = (f"stopped at the same {where} (unfinished on some of them, retired on the "
+                 "others: gloo retires a failed op as it retires a completed one)")
+        sure = ("medium: the dumps hold no death (PyTorch's gloo recorder records none), and "
+                "a healthy job dumped mid-op whose file was not collected would read the same")
+    return Finding(
+        kind=FindingKind.MISSING_DUMP,
+        severity=Severity.ERROR,
+        message=(f"rank(s) {ctx.ranks(stopped)} left no dump, and every rank that did "
+                 f"({ctx.ranks(others)}) {state}, of which rank(s) {ctx.ranks(stopped)} "
+                 "are members: they most likely died or hung hard before or in it (a rank "
+                 f"that dies hard writes nothing). How sure: {sure} — if its dump was only "
+                 "not collected, collect it and analyze again"),
+        culprit_ranks=tuple(stopped),
+        waiting_ranks=tuple(others),
+        pg=ctx.pg(gid),
+        seq=seq,
+        seq_kind="collective",
+        op=op,
+        location=location,
+        evidence={"basis": "missing_dump_at_common_stop",
+                  "confidence": "high" if stuck else "medium",
+                  "stopped_ranks": others, "missing": stopped},
+    )
 
 
 def _common_stop(ctx: Context, missing: list[int]

@@ -18,20 +18,30 @@ from __future__ import annotations
 
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors._roots import doing, primary_wait, rank_activity, since
+from frforensics.analyzer.detectors.missing_dump import stopped_finding, stopped_with_missing
 from frforensics.report import Finding, FindingKind, Severity
 
 
 def detect(ctx: Context) -> list[Finding]:
     """One finding per collective that alive, unblocked ranks never entered."""
     merged: dict[tuple[int, int], list[int]] = {}
+    # stopped with a rank that left no dump (PyTorch's gloo dumps): missing_dump
+    # names that rank, and this one failed because of it
+    lost = stopped_with_missing(ctx)
     for rank, root in sorted(ctx.graph.roots.items()):
-        if root.kind != "free":
+        if root.kind != "free" or rank in lost:
             continue
         wait, _ = primary_wait(root)
         if wait is None or wait.seq_kind != "collective":
             continue
         merged.setdefault((wait.gid, wait.seq), []).append(rank)
     findings = []
+    # ranks with a dump that never entered the op those stopped after (the ones
+    # without a dump are missing_dump's)
+    entered_not = sorted({m for _, _, gone in lost.values() for m in gone
+                          if m in ctx.job.digests})
+    if entered_not and all(all(m in ctx.job.digests for m in gone) for _, _, gone in lost.values()):
+        findings.append(stopped_finding(ctx, lost, entered_not))
     for (gid, seq), culprits in merged.items():
         roots = [ctx.graph.roots[r] for r in culprits]
         direct = [w for root in roots for w in primary_wait(root)[1]]
