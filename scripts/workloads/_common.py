@@ -122,6 +122,24 @@ class Fault:
         return float(t[0]) / n
 
 
+def train(model: torch.nn.Module, opt: torch.optim.Optimizer, fault: Fault, steps: int,
+          gen: torch.Generator, out_features: int, rank: int) -> None:
+    """The training loop every collective workload shares: a random batch of 8 per
+    step (``gen`` decides which ranks see the same one), MSE loss, backward, step,
+    the step's logging all_reduce of the loss; the fault planted at each step's
+    start; ends with :func:`finish`."""
+    losses = []
+    for step in range(steps):
+        fault.start_of_step(step)
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, out_features, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(fault.log_loss(loss, step))
+    finish(rank, losses)
+
+
 def finish(rank: int, step_losses: list[float]) -> None:
     if rank == 0:
         print(f"done: {len(step_losses)} steps, last loss {step_losses[-1]:.4f}", flush=True)

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Fault, finish, parse_args, setup
+from _common import Fault, parse_args, setup, train
 
 
 def main() -> None:
@@ -31,16 +31,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     # the same batch within a tp group, another one per dp rank
     gen = torch.Generator().manual_seed(100 + mesh.get_local_rank("dp"))
-    losses = []
-    for step in range(args.steps):
-        fault.start_of_step(step)
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(fault.log_loss(loss, step))
-    finish(rank, losses)
+    train(model, opt, fault, args.steps, gen, 16, rank)
 
 
 if __name__ == "__main__":

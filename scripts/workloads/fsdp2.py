@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Fault, finish, parse_args, setup
+from _common import Fault, parse_args, setup, train
 
 
 def main() -> None:
@@ -31,16 +31,7 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for step in range(args.steps):
-        fault.start_of_step(step)
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(fault.log_loss(loss, step))
-    finish(rank, losses)
+    train(model, opt, fault, args.steps, gen, 1, rank)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import Fault, finish, parse_args, setup
+from _common import Fault, parse_args, setup, train
 
 
 def main() -> None:
@@ -27,16 +27,7 @@ def main() -> None:
     parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(100)  # tensor parallel: the same batch on every rank
-    losses = []
-    for step in range(args.steps):
-        fault.start_of_step(step)
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
-        loss = nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(fault.log_loss(loss, step))
-    finish(rank, losses)
+    train(model, opt, fault, args.steps, gen, 16, rank)
 
 
 if __name__ == "__main__":
