@@ -89,6 +89,7 @@ def stopped_with_missing(ctx: Context) -> dict[int, tuple[int, int, tuple[int, .
     # a rank lost to a desync (gloo aborts a receiver of the wrong size) or one the
     # cascade names already is not this rule's to blame
     missing = set(ctx.job.missing_dumps) - set(cascade(ctx).desync_victims) - stale_ranks(ctx)
+    seen: dict[tuple[int, int], tuple[int, ...]] = {}
     for rank, root in ctx.graph.roots.items():
         d = ctx.job.digests.get(rank)
         if root.kind != "free" or d is None or d.gpu_states \
@@ -104,27 +105,31 @@ def stopped_with_missing(ctx: Context) -> dict[int, tuple[int, int, tuple[int, .
         if gid is None:
             continue
         seq = int(d.seq[row])
-        if any(_went_past(ctx, m, gid, seq) for m in ctx.job.dumped_members(gid)):
-            continue  # the group went on after it: it ran
-        gone = tuple(sorted({*(m for m in ctx.job.groups[gid].ranks if m in missing),
-                             *(m for m in ctx.job.dumped_members(gid) if _never_entered(
-                                 ctx, m, gid, seq))}))
+        gone = seen.get((gid, seq))
+        if gone is None:
+            gone = seen[(gid, seq)] = _absent_from(ctx, gid, seq, missing)
         if gone:
             out[rank] = (gid, row, gone)
     return out
 
 
-def _went_past(ctx: Context, rank: int, gid: int, seq: int) -> bool:
-    """Whether ``rank`` entered a collective of ``gid`` after ``seq``."""
-    view = ctx.job.view(rank, gid)
-    return view is not None and len(view.coll_rows) > 0 and view.max_seq > seq
-
-
-def _never_entered(ctx: Context, rank: int, gid: int, seq: int) -> bool:
-    """Whether ``rank``'s dump shows it never reached collective ``seq`` of ``gid``
-    (its newest op there is older; unknown when it recorded none there)."""
-    view = ctx.job.view(rank, gid)
-    return view is not None and len(view.coll_rows) > 0 and view.max_seq < seq
+def _absent_from(ctx: Context, gid: int, seq: int, missing: set[int]) -> tuple[int, ...]:
+    """The members of ``gid`` absent from its collective ``seq`` — without a dump
+    (of ``missing``), or with one that never reached it — when no dumped member
+    went past it (else the group went on: it ran); one pass over the group's
+    dumped members."""
+    ranks = ctx.job.groups[gid].ranks
+    members = ranks if isinstance(ranks, range) else set(ranks)
+    absent = {m for m in missing if m in members}
+    for m in ctx.job.dumped_members(gid):
+        view = ctx.job.view(m, gid)
+        if view is None or len(view.coll_rows) == 0:
+            continue
+        if view.max_seq > seq:
+            return ()
+        if view.max_seq < seq:
+            absent.add(m)
+    return tuple(sorted(absent))
 
 
 def detect(ctx: Context) -> list[Finding]:
