@@ -249,18 +249,3 @@ def test_a_slow_pipeline_stage_is_named_from_its_sends_and_recvs() -> None:
     [f] = report.findings
     assert f.evidence["groups"][0]["desc"] == "PIPELINE_MODEL_PARALLEL_GROUP"
     assert f.evidence["excess_think_ms"] == pytest.approx(40.0, rel=0.2)
-
-
-def test_the_typical_blame_count_is_the_median_of_the_other_ranks():
-    # 4 ranks blamed 1, 11, 4, 0 times (the real dp_tp-slow job): the median of all
-    # four (2.5) included rank 1 itself; the others' median (1) does not
-    import numpy as np
-
-    from frforensics.analyzer.detectors.straggler import _typical_of_others
-
-    assert _typical_of_others(np.array([1.0, 11.0, 4.0, 0.0])).tolist() == [4.0, 1.0, 1.0, 4.0]
-    rng = np.random.default_rng(0)
-    for _ in range(500):
-        c = rng.integers(0, 6, int(rng.integers(2, 9))).astype(float)
-        want = [float(np.median(np.delete(c, i))) for i in range(len(c))]
-        assert _typical_of_others(c).tolist() == want

@@ -78,10 +78,13 @@ def stopped_with_missing(ctx: Context) -> dict[int, tuple[int, int, tuple[int, .
     wait on, whose newest collective is retired, the newest of its group on every
     dumped member (the group went no further: else it ran), and was shared with a
     rank that left no dump (or whose dump never reached it), most likely stopped
-    because that rank died in it (measured: the
-    2-D ``dp_tp`` job of scripts/workloads, rank 1 ``os._exit``s; rank 3's dp
-    all_gather with rank 1 is retired, rank 3 never enters its tp all_reduce, and
-    rank 2 waits there). The missing rank is the culprit, not the one that stopped.
+    because that rank died in it (measured: the 2-D ``dp_tp`` job of
+    scripts/workloads, rank 1 ``os._exit``s; rank 3's dp all_gather with rank 1 is
+    retired, rank 3 never enters its tp all_reduce, and rank 2 waits there). The
+    missing rank is the culprit, not the one that stopped. Never for a rank that
+    issued ops its dump does not record (gloo's send/recv: a pipeline stage's newest
+    recorded collective may be a setup op long before it stopped; measured on the
+    property sweep, ``tests/unit/test_nccl_properties.py``, gloo crashed_rank).
     """
     out: dict[int, tuple[int, int, tuple[int, ...]]] = {}
     if not ctx.job.silent_listed:
@@ -93,7 +96,9 @@ def stopped_with_missing(ctx: Context) -> dict[int, tuple[int, int, tuple[int, .
     for rank, root in ctx.graph.roots.items():
         d = ctx.job.digests.get(rank)
         if root.kind != "free" or d is None or d.gpu_states \
-                or d.header.format is SourceFormat.FRDUMP:
+                or d.header.format is SourceFormat.FRDUMP or d.unrecorded_ops > 0:
+            # (ops the dump does not record — gloo's send/recv — may follow its
+            # newest collective: where the rank stopped is unknown)
             continue
         rows = np.flatnonzero(d.is_p2p == 0)
         if len(rows) == 0:

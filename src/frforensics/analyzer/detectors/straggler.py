@@ -17,7 +17,7 @@ A member is *blamed* for a collective when both exceed a threshold: the larger
 of 1 ms, three times the dumps' completion-time resolution, and eight robust
 standard deviations of ``E`` over the whole job (so jitter never trips it). A
 rank blamed in at least 3 collectives, at least 5 % of its own, and far more
-often than the typical other rank, is a straggler. Severity warning (status
+often than the typical rank, is a straggler. Severity warning (status
 ``degraded`` when alone): nothing hangs, the job is slow.
 
 NCCL dumps with GPU durations (PyTorch's ``duration_ms``, timing on) give both
@@ -725,7 +725,7 @@ def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
     blamed = (e > threshold) & (a > threshold)
     total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
     count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
-    typical = _typical_of_others(count)
+    typical = float(np.median(count))
     standing = np.flatnonzero((count >= MIN_BLAMED) & (count >= MIN_FRACTION * np.maximum(total, 1))
                               & (count > 4 * typical + 2))
     if len(standing) == 0:
@@ -737,26 +737,6 @@ def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
     keep = np.asarray([bool(sustained[p]) and cost[p] >= min_cost for p in standing.tolist()])
     return _Blame(e, threshold, blamed, (a > threshold) & ~blamed, count, total, standing[keep],
                   cost, sustained, standing[~keep], min_cost)
-
-
-def _typical_of_others(count: npt.NDArray[Any]) -> F8:
-    """Per rank position, the median blame count of the *other* ranks. The median
-    of all counts includes the rank itself, which in a small job lifts the bar it
-    must clear (4 ranks blamed 1, 11, 4, 0 times: the median 2.5 asks more than 12
-    of rank 1; the others' median 1 asks more than 6)."""
-    n = len(count)
-    if n < 2:
-        return np.zeros(n)
-    order = np.sort(count).astype(np.float64)
-    k = np.searchsorted(order, count)  # where each rank's own count sits
-
-    def rest(j: int) -> F8:  # the j-th smallest of the others, per rank
-        return np.asarray(np.where(j < k, order[j], order[min(j + 1, n - 1)]), dtype=np.float64)
-
-    m = n - 1
-    if m % 2:
-        return rest(m // 2)
-    return (rest(m // 2 - 1) + rest(m // 2)) / 2.0
 
 
 def _significance(t: _Rows, a: F8, e: F8, blamed: BOOL, p: int) -> tuple[float, str]:
