@@ -61,6 +61,8 @@ log = logging.getLogger("frforensics.run")
 
 #: How long an excluded worker that has not exited (frozen, stuck) is left before SIGKILL.
 EXCLUDED_GRACE_S = 5.0
+#: How long a standby may take to notice the job finished and exit 0 on its own.
+STANDBY_GRACE_S = 3.0
 
 
 def _say(message: str) -> None:
@@ -143,7 +145,13 @@ def _agent_class(spares: int) -> type:
             self._standbys[member] = handler
             _say(f"standby started: member id {member} (pid {handler.proc.pid})")
 
-        def _close_standbys(self) -> None:
+        def _close_standbys(self, grace_s: float = 0.0) -> None:
+            # At a job's successful end the standbys learn it from the store (every
+            # member closed its Recovery) and exit 0 themselves: give them grace_s.
+            end = time.monotonic() + grace_s
+            while any(h.proc.poll() is None for h in self._standbys.values()) \
+                    and time.monotonic() < end:
+                time.sleep(0.05)
             for handler in list(self._standbys.values()) + list(self._admitted.values()):
                 if handler.proc.poll() is None:
                     handler.close()
@@ -222,7 +230,7 @@ def _agent_class(spares: int) -> type:
                     if f.exitcode != EXIT_EXCLUDED and (members is None or m in members)}
             if real or gave_up is not None or len(failures) == len(procs):
                 return RunResult(state=WorkerState.FAILED, failures=failures or real)
-            self._close_standbys()
+            self._close_standbys(grace_s=STANDBY_GRACE_S)
             # Every worker must be named (SimpleElasticAgent._get_worker_state): the
             # excluded ones too; their exits are in the log and in the store's records.
             return RunResult(state=WorkerState.SUCCEEDED, return_values=dict.fromkeys(procs))

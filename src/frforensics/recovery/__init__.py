@@ -61,6 +61,8 @@ from typing import Any, Protocol, TypeVar
 
 from frforensics.errors import FrForensicsError
 from frforensics.failures import is_comm_failure
+from frforensics.recovery import _handover
+from frforensics.recovery._handover import CHUNK_BYTES, LoadStateDictFn, StateDictFn
 from frforensics.verdict import (
     EXIT_EXCLUDED,
     SCHEMA,
@@ -218,6 +220,8 @@ class Options:
     #: members agree, with one 1-element all_reduce, whether an exclusion was
     #: proposed (:func:`propose_exclusion`); 0 (default): never checked, no extra op.
     plan_check_every: int = 0
+    #: The state hand-over's chunk (bytes sent per message; one such buffer per side).
+    state_chunk_bytes: int = CHUNK_BYTES
 
 
 @dataclass
@@ -255,6 +259,12 @@ class State:
     source: VerdictSource | None = None
     #: The job's recorder, told about re-formed groups (None: not importable).
     recorder: JobRecorder | None = None
+    #: The training state's callables (torchft's shape); None: no state is handed over.
+    state_dict: StateDictFn | None = None
+    load_state_dict: LoadStateDictFn | None = None
+    #: Successful guarded steps since setup (the state version; a standby takes the
+    #: sender's with its state).
+    version: int = 0
 
 
 class Recovery:
@@ -314,6 +324,23 @@ class Recovery:
     def closed(self) -> bool:
         return self._state.closed
 
+    @property
+    def version(self) -> int:
+        """Successful guarded steps since setup (a standby takes the survivors' count)."""
+        return self._state.version
+
+    def register_state(self, *, state_dict: StateDictFn,
+                       load_state_dict: LoadStateDictFn) -> None:
+        """The training state's callables, as :func:`setup`'s (when the model comes later).
+
+        Every process registers them before the first guarded step (a standby
+        before :meth:`standby`).
+        """
+        st = self._live()
+        if not callable(state_dict) or not callable(load_state_dict):
+            raise RecoveryError("register_state: state_dict and load_state_dict must be callables")
+        st.state_dict, st.load_state_dict = state_dict, load_state_dict
+
     def guard(self) -> contextlib.AbstractContextManager[Guard]:
         """Guard one training step (see the module doc and :func:`guard`)."""
         return _guard(self._live())
@@ -356,10 +383,16 @@ class Recovery:
         """Stop watching the store (the exclusion watcher ends); idempotent.
 
         The groups stay as they are; guarding a step afterwards raises
-        :class:`RecoveryError`.
+        :class:`RecoveryError`. A member's close counts towards the job's end: once
+        every current member closed, standbys still waiting in :meth:`standby`
+        return (``reconfigured`` False) and can exit 0.
         """
         global _current
-        self._state.closed = True
+        st = self._state
+        if not st.closed and st.me in st.members:
+            with contextlib.suppress(Exception):  # the store may be gone at the very end
+                st.store.add(f"{st.uuid}/closed", 1)
+        st.closed = True
         if _current is self:
             _current = None
 
@@ -472,8 +505,16 @@ def _reconfigure(uuid: int, handles: list[str], group: Any, timeout_s: float) ->
 
 def setup(*, spares: int = 0, options: Options | None = None,
           source: VerdictSource | None = None,
-          recorder: JobRecorder | None = None) -> Recovery:
+          recorder: JobRecorder | None = None,
+          state_dict: StateDictFn | None = None,
+          load_state_dict: LoadStateDictFn | None = None) -> Recovery:
     """First configuration of the default group (collective over every process).
+
+    ``state_dict`` / ``load_state_dict`` (torchft's ``Manager`` shape, both or
+    neither): the training state -- a nested dict of tensors and plain values --
+    that one survivor hands to each standby a recovery admits, over the re-formed
+    group, before :meth:`Recovery.standby` returns; then every member checks that
+    they hold the same state version (docs/recovery.md, "The state hand-over").
 
     Call right after ``init_process_group(..., enable_reconfigure=True)``. The
     last ``spares`` processes become standbys (call :meth:`Recovery.standby`
@@ -495,6 +536,8 @@ def setup(*, spares: int = 0, options: Options | None = None,
         raise RecoveryUnavailable("the default group's backend cannot reconfigure "
                                   "(init_process_group(..., enable_reconfigure=True))")
     opts = options or Options()
+    if (state_dict is None) != (load_state_dict is None):
+        raise RecoveryError("setup: give both state_dict and load_state_dict, or neither")
     if source is not None and opts.verdict_source is not None \
             and source is not opts.verdict_source:
         raise RecoveryError("two verdict sources: setup(source=...) and "
@@ -524,7 +567,8 @@ def setup(*, spares: int = 0, options: Options | None = None,
         st = State(me=me, members=members, uuid=uuid, store=store, options=opts,
                    restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
                    spares=[me], known=set(range(job_world)) | set(members) | {me},
-                   store_host=host, source=source, recorder=recorder)
+                   store_host=host, source=source, recorder=recorder,
+                   state_dict=state_dict, load_state_dict=load_state_dict)
         _current = Recovery(st)
         _add(store, "standbys", 1)
         threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
@@ -536,7 +580,8 @@ def setup(*, spares: int = 0, options: Options | None = None,
     st = State(me=me, members=members, uuid=1, store=store, options=opts,
                restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
                spares=list(range(world - spares, world)), known=set(range(world)),
-               store_host=host, source=source, recorder=recorder)
+               store_host=host, source=source, recorder=recorder,
+               state_dict=state_dict, load_state_dict=load_state_dict)
     made = _current = Recovery(st)
     if me in st.spares:
         _add(store, "standbys", 1)
@@ -614,6 +659,7 @@ def _guard(st: State) -> Iterator[Guard]:
         g.error = exc
         recover(st, g, cause=exc)
         return
+    st.version += 1
     _planned_check(st, g)
 
 
@@ -1060,7 +1106,9 @@ def _reform(st: State, g: Guard, verdict: dict[str, Any], excluded: list[int],
         handles.update(dict(admitted))
         decision = {"uuid": uuid, "members": members, "handles": [handles[m] for m in members],
                     "old_members": st.members, "excluded": excluded,
-                    "reason": verdict.get("headline", ""), "incident": verdict.get("incident")}
+                    "reason": verdict.get("headline", ""), "incident": verdict.get("incident"),
+                    # the leader's word for everyone: a survivor hands its state over
+                    "state": st.state_dict is not None}
         _set(st.store, f"{uuid}/decision", json.dumps(decision))
         _set(st.store, "current", json.dumps({"uuid": uuid, "members": members}))
     else:
@@ -1108,12 +1156,150 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
     if not ok or t.item() != expected:
         raise RecoveryFailed(f"the re-formed group's check all_reduce gave {t.item()}, "
                              f"expected {expected}", [verdict])
+    if decision.get("state"):
+        try:
+            _hand_over(st, decision, verdict)
+        except RecoveryError:
+            raise
+        except Exception as exc:  # a peer lost mid-transfer, the agreement's op failed
+            raise RecoveryFailed(f"the state hand-over failed: {type(exc).__name__}: {exc}",
+                                 [verdict]) from exc
     pg = c10d._get_default_group()
     g.reconfigured, g.rank, g.world_size, g.excluded = True, pg.rank(), pg.size(), excluded
     record = {"uuid": uuid, "old_members": old, "members": members, "excluded": excluded,
               "reason": decision.get("reason", ""), "time_ns": time.time_ns()}
     st.history.append(record)
     _note_recorder(st, record)
+
+
+def _hand_over(st: State, decision: dict[str, Any], verdict: dict[str, Any]) -> None:
+    """One survivor's state to every admitted standby, then one agreement all_reduce.
+
+    The first survivor sends; when its ``state_dict()`` cannot be flattened (it
+    raised, or holds what cannot travel) the next one tries. The agreement --
+    ``all_reduce(MAX)`` of ``[version, -version, sender failed, receiver failed]``
+    -- runs on every member after each attempt, so all of them learn the outcome
+    at once: a standby that could not take the state (its own model differs, its
+    ``load_state_dict`` raised, the bytes arrived damaged) fails the recovery on
+    every member; survivors whose versions differ (one finished the step the
+    others failed) fail it too. Never a standby training on partial state.
+    """
+    torch, dist, _ = _torch()
+    uuid = int(decision["uuid"])
+    members = [int(m) for m in decision["members"]]
+    old = {int(m) for m in decision["old_members"]}
+    survivors = [m for m in members if m in old]
+    admitted = [m for m in members if m not in old]
+    deadline = time.monotonic() + st.options.arrival_timeout_s
+    for attempt, sender in enumerate(survivors):
+        key = f"{uuid}/state/{attempt}"
+        failed = [0, 0]  # sender, receiver
+        if st.me == sender:
+            failed[0] = _send_state(st, key, admitted, members, deadline)
+        elif st.me in admitted:
+            failed[1] = _receive_state(st, key, members.index(sender), deadline)
+        flags = torch.tensor([st.version, -st.version, *failed], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        high, low, sender_failed, receiver_failed = (int(x) for x in flags.tolist())
+        if receiver_failed:
+            why = _reasons(st, f"{key}/why/", admitted)
+            raise RecoveryFailed(f"a standby could not take the survivors' state: {why}",
+                                 [verdict])
+        if sender_failed:
+            why = _reasons(st, f"{key}/why/", [sender])
+            _say(st, f"rank {sender} could not hand over its state ({why}); the next survivor "
+                     "tries")
+            continue
+        if high != -low:
+            raise RecoveryFailed(f"the members hold different state versions (steps {-low} to "
+                                 f"{high}): a survivor finished a step the others failed",
+                                 [verdict])
+        if admitted:
+            _say(st, f"state version {high} handed over by rank {sender} to {admitted}")
+        return
+    raise RecoveryFailed("no survivor could hand over its state (each one's state_dict() "
+                         "failed; see the lines above)", [verdict])
+
+
+def _send_state(st: State, key: str, admitted: list[int], members: list[int],
+                deadline: float) -> int:
+    """The sender's side: 1 when its own state could not be sent (the next one tries)."""
+    assert st.state_dict is not None
+    try:
+        manifest, tensors = _handover.flatten(st.state_dict(), version=st.version)
+    except Exception as exc:
+        reason = f"its state_dict() failed: {type(exc).__name__}: {exc}"[:500]
+        _set(st.store, f"{key}/manifest", json.dumps({"failed": reason}))
+        _set(st.store, f"{key}/why/{st.me}", reason)
+        return 1
+    _set(st.store, f"{key}/manifest", manifest.dumps())
+    t0 = time.monotonic()
+    sent = 0
+    for m in admitted:
+        ack = _get(st.store, f"{key}/ack/{m}", deadline)
+        if ack != b"ok":
+            continue  # that standby refused (or never answered): it says so in the agreement
+        sent += _handover.send(tensors, dst=members.index(m), chunk_bytes=st.options.state_chunk_bytes)
+    if sent:
+        dt = max(time.monotonic() - t0, 1e-9)
+        _say(st, f"sent {len(tensors)} tensors ({sent / 1e6:.1f} MB) to {admitted} in "
+                 f"{dt:.2f} s ({sent / 1e6 / dt:.0f} MB/s)")
+    return 0
+
+
+def _receive_state(st: State, key: str, src: int, deadline: float) -> int:
+    """The standby's side: 0 when it loaded the state, 1 (and the reason stored) if not."""
+
+    def refuse(reason: str) -> int:
+        _say(st, f"cannot take the survivors' state: {reason}")
+        with contextlib.suppress(RecoveryError):
+            _set(st.store, f"{key}/why/{st.me}", f"rank {st.me}: {reason}"[:1000])
+        return 1
+
+    raw = _get(st.store, f"{key}/manifest", deadline)
+    if raw is None:
+        return refuse(f"no state manifest from the sender within "
+                      f"{st.options.arrival_timeout_s:g} s")
+    if raw.startswith(b'{"failed"'):
+        return 0  # the sender says it failed: the agreement tells everyone, the next one tries
+    ack = "ok"
+    try:
+        manifest = _handover.Manifest.loads(raw)
+        if st.state_dict is None or st.load_state_dict is None:
+            raise _handover.HandoverError("this standby registered no state_dict/load_state_dict "
+                                          "(recovery.setup(state_dict=..., load_state_dict=...))")
+        mine, _ = _handover.flatten(st.state_dict(), version=0)
+        wrong = _handover.mismatch(manifest, mine)
+        if wrong:
+            raise _handover.HandoverError(f"its state does not match this standby's "
+                                          f"({wrong}); same model and optimizer on every "
+                                          "process? (an optimizer's state exists only after "
+                                          "its first step: torch.distributed.checkpoint's "
+                                          "get_state_dict initialises it)")
+    except Exception as exc:
+        ack = f"refused: {exc}"
+        _set(st.store, f"{key}/ack/{st.me}", ack[:1000])
+        return refuse(str(exc))
+    _set(st.store, f"{key}/ack/{st.me}", ack)
+    try:
+        tensors = _handover.receive(manifest, src=src, chunk_bytes=st.options.state_chunk_bytes)
+        st.load_state_dict(_handover.unflatten(manifest, tensors))
+    except Exception as exc:
+        return refuse(f"{type(exc).__name__}: {exc}")
+    st.version = manifest.version
+    return 0
+
+
+def _reasons(st: State, prefix: str, ranks: list[int]) -> str:
+    """The reasons ``ranks`` stored under ``prefix`` (bounded wait), joined."""
+    out = []
+    end = time.monotonic() + 2.0
+    for r in ranks:
+        with contextlib.suppress(RecoveryError):
+            raw = _get(st.store, f"{prefix}{r}", end)
+            if raw is not None:
+                out.append(raw.decode(errors="replace"))
+    return "; ".join(out) or "no reason recorded"
 
 
 def _reform_subgroups(st: State, excluded: list[int], uuid: int,
@@ -1228,7 +1414,10 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
     uuid = st.uuid + 1
     _say(st, "standing by")
     while end is None or time.monotonic() < end:
-        if _get(st.store, f"{uuid}/open", time.monotonic() + 0.5) is None:
+        if _job_finished(st):
+            _say(st, "the job finished without needing this standby")
+            return Guard()
+        if _get(st.store, f"{uuid}/open", time.monotonic() + 0.2) is None:
             continue
         n = _add(st.store, f"{uuid}/nspare", 1)
         _set(st.store, f"{uuid}/spare#{n}", json.dumps({"id": st.me, "handle": _handle()}))
@@ -1256,6 +1445,20 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
         _say(st, f"admitted: now rank {g.rank} of {g.world_size}")
         return g
     raise RecoveryFailed(f"standby: not called in within {timeout_s:g} s")
+
+
+def _job_finished(st: State) -> bool:
+    """Every member of the current configuration closed its Recovery (the job is over)."""
+    try:
+        raw = st.store.get("current") if st.store.check(["current"]) else None
+        current = json.loads(bytes(raw)) if raw is not None else None
+        if not isinstance(current, dict):
+            return False
+        members = current.get("members")
+        return isinstance(members, list) and bool(members) and \
+            _add(st.store, f"{int(current['uuid'])}/closed", 0) >= len(members)
+    except Exception:
+        return False
 
 
 def _exclusion_watch(st: State) -> None:
