@@ -9,6 +9,10 @@ Plant a fault to watch it heal (rank 3 SIGKILLed before step 6):
     EXAMPLE_FAULT=kill EXAMPLE_FAULT_RANK=3 EXAMPLE_FAULT_STEP=6 \\
         frforensics-run --standalone --nproc-per-node 4 --spares 1 examples/ddp_heal.py
 
+A GPU that is slow, not dead (``EXAMPLE_FAULT=slow``: rank 3 takes 40 % longer per
+step) is named by the recorder's live straggler rule and excluded at a step
+boundary (``EXAMPLE_STRAGGLER_S`` sets the rule's window, 30 s by default).
+
 Each rank prints ``final: {...}`` with its parameters' checksum; every rank of the
 healed run prints the fault-free run's. ``EXAMPLE_OUT=DIR`` also saves each
 rank's final parameters there. docs/recovery.md, "The state hand-over", says
@@ -21,6 +25,7 @@ import json
 import os
 import signal
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -32,14 +37,18 @@ import frforensics.recorder as recorder
 from frforensics import recovery
 
 STEPS = int(os.environ.get("EXAMPLE_STEPS", "30"))
-FAULT = os.environ.get("EXAMPLE_FAULT", "")  # "kill" or "stop": plant a fault
+FAULT = os.environ.get("EXAMPLE_FAULT", "")  # "kill", "stop" or "slow": plant a fault
 FAULT_RANK = int(os.environ.get("EXAMPLE_FAULT_RANK", "3"))
 FAULT_STEP = int(os.environ.get("EXAMPLE_FAULT_STEP", "6"))
 DUMPS = os.environ.get("EXAMPLE_DUMPS") or tempfile.mkdtemp(prefix="frforensics-example-")
 
 # The recorder's verdict says whom to exclude; the group timeout is the hang budget
 # (a little above the recorder's deadline: docs/recovery.md, "Getting out").
-recorder.enable(DUMPS, timeout_s=3.0)
+# The live straggler rule feeds the slow-GPU exclusion: a rank it names in two
+# consecutive windows is proposed, and excluded at the next planned check.
+recorder.enable(DUMPS, timeout_s=3.0,
+                straggler_interval_s=float(os.environ.get("EXAMPLE_STRAGGLER_S", "30")),
+                on_verdict=recovery.exclude_stragglers(windows=2))
 dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
 
 torch.manual_seed(0)  # the same initial model on every process, standbys included
@@ -62,7 +71,8 @@ def load_state_dict(sd: dict) -> None:
     progress["step"] = sd["step"]
 
 
-rec = recovery.setup(state_dict=state_dict, load_state_dict=load_state_dict)
+rec = recovery.setup(state_dict=state_dict, load_state_dict=load_state_dict,
+                     options=recovery.Options(plan_check_every=5))
 if rec.me in rec.spares:
     joined = rec.standby()  # returns once a recovery admitted it, with the survivors' state
     if not joined.reconfigured:
@@ -78,7 +88,9 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 while progress["step"] < STEPS:
-    if FAULT and rec.me == FAULT_RANK and progress["step"] == FAULT_STEP and not rec.history:
+    if FAULT == "slow":  # every step 100 ms of other work; the slow GPU's 140 ms
+        time.sleep(0.14 if rec.me == FAULT_RANK else 0.1)
+    elif FAULT and rec.me == FAULT_RANK and progress["step"] == FAULT_STEP and not rec.history:
         os.kill(os.getpid(), signal.SIGKILL if FAULT == "kill" else signal.SIGSTOP)
     with rec.guard() as g:
         x, y = batch(progress["step"], rec.rank)

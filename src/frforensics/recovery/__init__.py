@@ -47,6 +47,7 @@ They never change; group ranks do (``g.rank``).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -222,6 +223,8 @@ class Options:
     plan_check_every: int = 0
     #: The state hand-over's chunk (bytes sent per message; one such buffer per side).
     state_chunk_bytes: int = CHUNK_BYTES
+    #: How long the members wait for the standbys to load the handed-over state.
+    handover_timeout_s: float = 600.0
 
 
 @dataclass
@@ -265,6 +268,8 @@ class State:
     #: Successful guarded steps since setup (the state version; a standby takes the
     #: sender's with its state).
     version: int = 0
+    #: The exclusion watcher (joined by ``Recovery.close``).
+    watcher: threading.Thread | None = None
 
 
 class Recovery:
@@ -395,6 +400,9 @@ class Recovery:
         st.closed = True
         if _current is self:
             _current = None
+        watcher = st.watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=2.0)  # it polls every 0.1 s; a store call is bounded
 
     def __enter__(self) -> Recovery:
         return self
@@ -415,6 +423,8 @@ class Recovery:
 
 #: The Recovery setup() made last (the module functions act on it).
 _current: Recovery | None = None
+#: Whether the interpreter-exit hook that closes it is registered.
+_exit_hook = False
 
 
 def _require() -> Recovery:
@@ -571,8 +581,7 @@ def setup(*, spares: int = 0, options: Options | None = None,
                    state_dict=state_dict, load_state_dict=load_state_dict)
         _current = Recovery(st)
         _add(store, "standbys", 1)
-        threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
-                         daemon=True).start()
+        _start_watch(st)
         return _current
     if not 0 <= spares < world:
         raise RecoveryError(f"spares={spares} leaves no active rank in a world of {world}")
@@ -600,9 +609,29 @@ def setup(*, spares: int = 0, options: Options | None = None,
             handles.append(raw.decode())
         _reconfigure(1, handles, None, opts.reconfigure_timeout_s)
     _tell_recorder(st, pg, 1, list(range(world)), members, "first configuration")
-    threading.Thread(target=_exclusion_watch, args=(st,), name="frforensics-recovery",
-                     daemon=True).start()
+    _start_watch(st)
     return made
+
+
+def _start_watch(st: State) -> None:
+    """The exclusion watcher, stopped and joined by close() (also at interpreter exit)."""
+    global _exit_hook
+    st.watcher = threading.Thread(target=_exclusion_watch, args=(st,),
+                                  name="frforensics-recovery", daemon=True)
+    st.watcher.start()
+    if not _exit_hook:
+        # A daemon thread still inside a store call when the interpreter finalizes is
+        # ended by pthread_exit from take_gil, which unwinds through pybind11's
+        # noexcept frames: std::terminate, SIGABRT ("terminate called without an
+        # active exception"), the job's exit code -6. Join it before that.
+        _exit_hook = True
+        atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    with contextlib.suppress(Exception):
+        if _current is not None:
+            _current.close()
 
 
 def new_group(ranks: Sequence[int], **kwargs: Any) -> Any:
@@ -623,6 +652,10 @@ class Guard:
     verdict: dict[str, Any] | None = None
     seconds: float = 0.0
     error: BaseException | None = None
+    #: Where the recovery's seconds went: ``verdict_s`` (the failure or planned check
+    #: to the agreed verdict), ``reform_s`` (arrival, decision, reconfigure, check),
+    #: ``handover_s`` (the state to the standbys and the agreement; 0 without one).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def _is_comm_failure(exc: BaseException) -> bool:
@@ -1054,13 +1087,16 @@ def recover(st: State, g: Guard, *, cause: BaseException | None = None,
                 f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
                 "enabled with the verdict at hang time?); not guessing whom to exclude") from cause
         g.verdict = verdict
+        g.phases["verdict_s"] = time.monotonic() - t0
         _say(st, f"verdict: {' '.join(str(verdict.get('headline', '')).split())}")
         excluded = exclusion_from(
             verdict, st.members, known=sorted(st.known), store_host=st.store_host,
             max_exclusions=opts.max_exclusions,
             excluded_so_far=sum(len(h["excluded"]) for h in st.history),
             min_world_size=opts.min_world_size)
+        t_verdict = time.monotonic()
         _reform(st, g, verdict, excluded, t0)
+        g.phases["reform_s"] = time.monotonic() - t_verdict - g.phases.get("handover_s", 0.0)
     except RecoveryError as exc:
         _say(st, f"recovery gave up: {exc.reason}")
         if planned is not None and isinstance(exc, RecoveryRefused):
@@ -1075,7 +1111,8 @@ def recover(st: State, g: Guard, *, cause: BaseException | None = None,
     g.seconds = time.monotonic() - t0
     _say(st, f"reconfigured: now rank {g.rank} of {g.world_size} (excluded {g.excluded}, "
              f"uuid {st.uuid}, {g.seconds:.2f} s after "
-             f"{'the step failed' if planned is None else 'the planned check'})")
+             f"{'the step failed' if planned is None else 'the planned check'}: "
+             + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in g.phases.items()) + ")")
 
 
 def _reform(st: State, g: Guard, verdict: dict[str, Any], excluded: list[int],
@@ -1156,6 +1193,7 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
     if not ok or t.item() != expected:
         raise RecoveryFailed(f"the re-formed group's check all_reduce gave {t.item()}, "
                              f"expected {expected}", [verdict])
+    t_handover = time.monotonic()
     if decision.get("state"):
         try:
             _hand_over(st, decision, verdict)
@@ -1164,6 +1202,7 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
         except Exception as exc:  # a peer lost mid-transfer, the agreement's op failed
             raise RecoveryFailed(f"the state hand-over failed: {type(exc).__name__}: {exc}",
                                  [verdict]) from exc
+    g.phases["handover_s"] = time.monotonic() - t_handover
     pg = c10d._get_default_group()
     g.reconfigured, g.rank, g.world_size, g.excluded = True, pg.rank(), pg.size(), excluded
     record = {"uuid": uuid, "old_members": old, "members": members, "excluded": excluded,
@@ -1198,6 +1237,17 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: dict[str, Any]) -> 
             failed[0] = _send_state(st, key, admitted, members, deadline)
         elif st.me in admitted:
             failed[1] = _receive_state(st, key, members.index(sender), deadline)
+            _set(st.store, f"{key}/loaded/{st.me}", str(failed[1]))
+        if st.me not in admitted:
+            # The transfer may outlast the group's op timeout (the hang budget): the
+            # members not receiving wait for the standbys' word in the store, so the
+            # agreement's all_reduce starts when everyone is there.
+            end = time.monotonic() + st.options.handover_timeout_s
+            for m in admitted:
+                if _get(st.store, f"{key}/loaded/{m}", end) is None:
+                    _say(st, f"rank {m} did not report its state loaded within "
+                             f"{st.options.handover_timeout_s:g} s")
+                    break
         flags = torch.tensor([st.version, -st.version, *failed], dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         high, low, sender_failed, receiver_failed = (int(x) for x in flags.tolist())
@@ -1441,7 +1491,10 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
         st.known.update(int(m) for m in decision["members"])
         with contextlib.suppress(RecoveryError):
             _add(st.store, "standbys", -1)
+        t_admitted = time.monotonic()
         _apply(st, g, decision, {"headline": decision.get("reason", "")})
+        g.seconds = time.monotonic() - t_admitted
+        g.phases["reform_s"] = g.seconds - g.phases.get("handover_s", 0.0)
         _say(st, f"admitted: now rank {g.rank} of {g.world_size}")
         return g
     raise RecoveryFailed(f"standby: not called in within {timeout_s:g} s")
