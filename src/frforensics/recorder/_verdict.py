@@ -67,7 +67,10 @@ log = logging.getLogger("frforensics.recorder")
 
 _HANG = (DumpReason.WATCHDOG_TIMEOUT, DumpReason.PEER_SIGNAL)
 _DEATH = (DumpReason.EXCEPTION, DumpReason.EXIT)
-_CHUNK = 256  # keys per multi_get
+#: the elected rank's time for reading its inputs past the late-digest grace
+#: (``_collect_limit``): 3 s, and 1 ms per rank (two reads; ~0.1 ms on one host)
+_READ_S = 3.0
+_READ_PER_RANK_S = 0.001
 
 
 VerdictHook = Callable[[dict[str, Any]], None]
@@ -93,8 +96,27 @@ _MAX_RANK: Final = 1 << 20  # formats.limits' max_rank: a larger number names no
 _MAX_RECORD: Final = 1 << 16
 
 
+#: ``compare_set(key, _ABSENT, _ABSENT)`` reads a key without ever blocking: a
+#: missing key answers ``_ABSENT`` and stays missing (``expected`` is not empty), a
+#: set one answers its value (rewritten unchanged only if it *is* ``_ABSENT``), in
+#: one atomic call. ``get``/``multi_get``/``wait`` of a missing key block for the
+#: store's timeout (``store_timeout_s``; torch's default is 300 s), and a key that
+#: ``check`` saw can be deleted before the ``get`` that follows it.
+_ABSENT: Final = "\x00frforensics: no such key\x00"
+_ABSENT_BYTES: Final = _ABSENT.encode()
+
+
+def peek(store: Any, key: str) -> bytes | None:
+    """The value of ``key``, or None when it is not set (one call that never waits)."""
+    raw = store.compare_set(key, _ABSENT, _ABSENT)
+    value = bytes(raw) if isinstance(raw, bytes | bytearray | memoryview) else str(raw).encode()
+    return None if value == _ABSENT_BYTES else value
+
+
 def _rank_of(raw: Any, world: int) -> int | None:
     """A rank number written in the store, or None when it is not one below ``world``."""
+    if raw is None:
+        return None
     text = _text(raw).strip()
     if not text.isdigit() or len(text) > 8 or int(text) >= world:
         return None
@@ -298,7 +320,7 @@ class VerdictAgent(threading.Thread):
 
     def _store(self) -> Any:
         # Shared with the watchdog (the TCPStore client serializes calls); only
-        # non-blocking calls are made on it: get only after check or on keys known set.
+        # non-blocking calls are made on it: every read of a key is a ``peek``.
         return self.rec.store
 
     def _key(self, k: int, *parts: object) -> str:
@@ -353,7 +375,21 @@ class VerdictAgent(threading.Thread):
             rec.raise_flag(self._flag_payload(detail))
 
     def _wait_limit(self) -> float:
-        return 2 * self.rec.config.store_poll_interval_s + self.config.verdict_timeout_s + 5.0
+        """How long a follower waits for the verdict: past the elected rank's input
+        deadline and its analysis' time limit."""
+        return max(2 * self.rec.config.store_poll_interval_s + 5.0,
+                   self._collect_limit() + 2.0) + self.config.verdict_timeout_s
+
+    def _grace(self) -> float:
+        """How long the elected rank waits for a digest a record claims (two polls, <= 10 s)."""
+        return min(2 * self.rec.config.store_poll_interval_s, 10.0)
+
+    def _collect_limit(self) -> float:
+        """The elected rank's deadline for reading its inputs: the late-digest grace
+        and the reads (``_READ_S``, more in a large world); with the analysis
+        (``verdict_timeout_s``) it stays inside every follower's wait (``_wait_limit``)."""
+        world = self.rec.world_size or 0
+        return self._grace() + _READ_S + _READ_PER_RANK_S * world
 
     # ------------------------------------------------------------ the protocol
 
@@ -373,7 +409,7 @@ class VerdictAgent(threading.Thread):
             self._vote(store, k, me)
             window_end = self._await_dumps(store, k, world, inc.published_at)
             # garbage a peer wrote there names no one: the owner race decides
-            elected = _rank_of(store.get(self._key(k, "leader")), world)
+            elected = _rank_of(peek(store, self._key(k, "leader")), world)
             if elected in (me, None) and self._take_ownership(store, k, me):
                 self._lead(inc, store, world)
                 return
@@ -427,8 +463,9 @@ class VerdictAgent(threading.Thread):
         key = f"verdict/{inc.k}"
         until = time.monotonic() + self._wait_limit()
         while time.monotonic() < until:
-            if store.check([key]):
-                verdict, why = check_verdict(store.get(key))
+            raw = peek(store, key)
+            if raw is not None:
+                verdict, why = check_verdict(raw)
                 if verdict is not None:
                     self._learn(inc, verdict, elected=False)
                     return
@@ -504,43 +541,60 @@ class VerdictAgent(threading.Thread):
         self.run_hooks(verdict.to_json(), str(verdict.verdict_json))
         self._learn(inc, verdict, elected=True)
 
-    def _inputs(self, k: int, store: Any, world: int,
-                work: Path) -> tuple[list[str], dict[str, Any]]:
+    def _inputs(self, k: int, store: Any, world: int, work: Path,
+                until: float | None = None) -> tuple[list[str], dict[str, Any]]:
         """Per rank: its dump file when visible as announced, else its digest.
 
         Every store value is a peer's word (docs/security.md, "the store"): a
         record or digest that is malformed, claims another rank, or never appears
         is skipped with one note ``rank R: ...`` in ``inputs["skipped"]``; the
-        other ranks' inputs are used as they are."""
+        other ranks' inputs are used as they are. Every read is a ``peek`` (never
+        a blocking read: a key a peer announced but never wrote, or deleted as it
+        was read, costs nothing), and no read starts after ``until`` (default:
+        ``_collect_limit`` from now): a rank not read by then is skipped too."""
         from frforensics.formats import frdump
         from frforensics.recorder._tail import inflate
 
+        if until is None:
+            until = time.monotonic() + self._collect_limit()
         skipped: list[str] = []
+        late: list[int] = []  # not read before the deadline
+
+        def read(r: int, *parts: object) -> bytes | None:
+            if time.monotonic() >= until:
+                late.append(r)
+                return None
+            return peek(store, self._key(k, *parts))
+
         ranks: list[int] = []
+        listed = False
         with contextlib.suppress(Exception):
-            if store.check([self._key(k, "ranks")]):
-                raw_ranks = _text(store.get(self._key(k, "ranks")))[:16 * (world + 1)]
-                ranks = sorted({int(x) for x in raw_ranks.split(",")
+            raw_ranks = peek(store, self._key(k, "ranks"))
+            if raw_ranks is not None:
+                ranks = sorted({int(x) for x in _text(raw_ranks)[:16 * (world + 1)].split(",")
                                 if x.strip().isdigit() and len(x.strip()) <= 8
                                 and int(x) < world})
+                listed = bool(ranks)
         if not ranks:  # no append on this store: look key by key
-            ranks = [r for r in range(world) if store.check([self._key(k, "dumped", r)])]
-        # only keys that are set: a get of a missing key blocks to the store's timeout
-        ranks = [r for r in ranks if store.check([self._key(k, "dumped", r)])]
-        records: dict[int, dict[str, Any]] = {}
-        for i in range(0, len(ranks), _CHUNK):
-            chunk = ranks[i:i + _CHUNK]
-            for r, raw in zip(chunk, store.multi_get([self._key(k, "dumped", r) for r in chunk]),
-                              strict=True):
-                record, why = check_record(raw, r)
-                if record is None:
-                    skipped.append(f"rank {r}: {why}")
-                else:
-                    records[r] = record
+            ranks = list(range(world))
+        # Rank by rank, its record and then its digest: a deadline cut leaves the
+        # ranks before it whole.
         dump_dir = self.rec.config.dump_dir
+        records: dict[int, dict[str, Any]] = {}
         files: dict[int, str] = {}
         want_digest: list[int] = []
-        for r, record in sorted(records.items()):
+        blobs: dict[int, bytes] = {}
+        for r in ranks:
+            raw = read(r, "dumped", r)
+            if raw is None:
+                if listed and r not in late:  # announced (after its record), then gone
+                    skipped.append(f"rank {r}: dumped record missing (its rank is listed)")
+                continue
+            record, why = check_record(raw, r)
+            if record is None:
+                skipped.append(f"rank {r}: {why}")
+                continue
+            records[r] = record
             path = dump_dir / f"frdump_rank_{r}"
             visible = False
             if self.config.verdict_source != "store":
@@ -551,38 +605,47 @@ class VerdictAgent(threading.Thread):
                 files[r] = str(path)
             elif record["digest"]:
                 want_digest.append(r)
-        # a digest is set before its record: give a late one two polls, then go on
-        until = time.monotonic() + min(2 * self.rec.config.store_poll_interval_s, 10.0)
-        missing = [r for r in want_digest if not store.check([self._key(k, "digest", r)])]
-        while missing and time.monotonic() < until:
+                raw = read(r, "digest", r)
+                if raw is not None:
+                    blobs[r] = raw
+        # A digest is set before its record: give a late one the grace (two polls),
+        # then go on with the digests that did arrive.
+        grace_end = min(time.monotonic() + self._grace(), until)
+        missing = [r for r in want_digest if r not in blobs and r not in late]
+        while missing and time.monotonic() < grace_end:
             time.sleep(min(0.1, self.rec.config.store_poll_interval_s / 4))
-            missing = [r for r in missing if not store.check([self._key(k, "digest", r)])]
+            for r in missing:
+                raw = read(r, "digest", r)
+                if raw is not None:
+                    blobs[r] = raw
+            missing = [r for r in missing if r not in blobs and r not in late]
         skipped.extend(f"rank {r}: digest missing (its record claims one)" for r in missing)
-        want_digest = [r for r in want_digest if r not in missing]
+        skipped.extend(f"rank {r}: not read within the verdict's {self._collect_limit():g} s "
+                       "input deadline" for r in sorted(set(late)))
         digests: dict[int, str] = {}
-        for i in range(0, len(want_digest), _CHUNK):
-            chunk = want_digest[i:i + _CHUNK]
-            for r, raw in zip(chunk, store.multi_get([self._key(k, "digest", r) for r in chunk]),
-                              strict=True):
-                try:
-                    data = inflate(bytes(raw))
-                    claimed = frdump.decode(data, source=f"digest of rank {r}").rank
-                except MemoryError:
-                    skipped.append(f"rank {r}: digest too large for memory")
-                    continue
-                except Exception as exc:  # any damage: that rank's digest only
-                    skipped.append(f"rank {r}: bad digest ({type(exc).__name__}: "
-                                   f"{str(exc)[:200]})")
-                    continue
-                if claimed != r:
-                    skipped.append(f"rank {r}: digest claims rank {claimed}")
-                    continue
-                try:
-                    target = write_atomic(work / f"frdump_rank_{r}", data, mode=0o600)
-                except OSError as exc:
-                    skipped.append(f"rank {r}: {exc}")
-                    continue
-                digests[r] = str(target)
+        for r in want_digest:
+            raw = blobs.pop(r, None)
+            if raw is None:
+                continue
+            try:
+                data = inflate(raw)
+                claimed = frdump.decode(data, source=f"digest of rank {r}").rank
+            except MemoryError:
+                skipped.append(f"rank {r}: digest too large for memory")
+                continue
+            except Exception as exc:  # any damage: that rank's digest only
+                skipped.append(f"rank {r}: bad digest ({type(exc).__name__}: "
+                               f"{str(exc)[:200]})")
+                continue
+            if claimed != r:
+                skipped.append(f"rank {r}: digest claims rank {claimed}")
+                continue
+            try:
+                target = write_atomic(work / f"frdump_rank_{r}", data, mode=0o600)
+            except OSError as exc:
+                skipped.append(f"rank {r}: {exc}")
+                continue
+            digests[r] = str(target)
         if self.config.verdict_source != "store":
             # Ranks that dumped but never announced (died before the store knew):
             # their files, when written by this run and for this incident (after a
@@ -608,7 +671,7 @@ class VerdictAgent(threading.Thread):
         rec = self.rec
         flag_ns = None
         with contextlib.suppress(Exception):
-            flag = self._store().get(rec.flag_key) if rec.store is not None else None
+            flag = peek(self._store(), rec.flag_key) if rec.store is not None else None
             flag_ns = int(json.loads(_text(flag)).get("time_ns")) if flag is not None else None
         from frforensics.recorder._core import host_name
 
@@ -692,8 +755,9 @@ class VerdictAgent(threading.Thread):
             else:
                 until = time.monotonic() + self.config.hook_timeout_s + 2 * poll + 5.0
                 while at is None and time.monotonic() < until:
-                    if store.check([key]):
-                        at = int(_text(store.get(key)))
+                    raw = peek(store, key)
+                    if raw is not None:
+                        at = int(_text(raw))
                     else:
                         time.sleep(min(poll, 0.2))
         if at is not None:
