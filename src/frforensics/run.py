@@ -62,7 +62,7 @@ log = logging.getLogger("frforensics.run")
 #: How long an excluded worker that has not exited (frozen, stuck) is left before SIGKILL.
 EXCLUDED_GRACE_S = 5.0
 #: How long a standby may take to notice the job finished and exit 0 on its own.
-STANDBY_GRACE_S = 3.0
+STANDBY_GRACE_S = 15.0
 
 
 def _say(message: str) -> None:
@@ -152,8 +152,11 @@ def _agent_class(spares: int) -> type:
             while any(h.proc.poll() is None for h in self._standbys.values()) \
                     and time.monotonic() < end:
                 time.sleep(0.05)
-            for handler in list(self._standbys.values()) + list(self._admitted.values()):
+            for member, handler in [*self._standbys.items(), *self._admitted.items()]:
                 if handler.proc.poll() is None:
+                    if grace_s:
+                        _say(f"standby {member} did not exit within {grace_s:g} s of the "
+                             "job's end; stopping it")
                     handler.close()
             for handler in list(self._standbys.values()) + list(self._admitted.values()):
                 try:

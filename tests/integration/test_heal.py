@@ -54,6 +54,52 @@ recovery.setup = setup
 runpy.run_path(os.environ["FRT_EXAMPLE"], run_name="__main__")
 '''
 
+#: A 4-rank FSDP2 job (fully sharded, or HSDP on a 2 x 2 mesh) with the state
+#: hand-over registered; rank 3 is SIGKILLed before step 6.
+SHARDED = r'''
+import os, signal
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import frforensics.recorder as recorder
+from frforensics import recovery
+
+recorder.enable(os.environ["FRT_DUMPS"], timeout_s=3.0)
+dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
+rec = recovery.setup()
+hsdp = os.environ["FRT_MESH"] == "hsdp"
+mesh = init_device_mesh("cpu", (2, 2) if hsdp else (4,),
+                        mesh_dim_names=("replicate", "shard") if hsdp else ("shard",))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+fully_shard(model, mesh=mesh)
+optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+progress = {"step": 0}
+def state_dict():
+    model_sd, optim_sd = get_state_dict(model, optim)
+    return {"model": model_sd, "optim": optim_sd, "step": progress["step"]}
+def load_state_dict(sd):
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    progress["step"] = sd["step"]
+rec.register_state(state_dict=state_dict, load_state_dict=load_state_dict)
+while progress["step"] < 12:
+    if rec.me == 3 and progress["step"] == 6:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        with rec.guard() as g:
+            gen = torch.Generator().manual_seed(10 * progress["step"] + rec.rank)
+            optim.zero_grad()
+            model(torch.randn(4, 8, generator=gen)).pow(2).mean().backward()
+            optim.step()
+            progress["step"] += 1
+    except recovery.RecoveryRefused as exc:
+        print(f"REFUSED {rec.me} {exc.reason}", flush=True)
+        raise SystemExit(3)
+print(f"TRAINED ON {rec.me}", flush=True)
+'''
+
 _FINAL = re.compile(r"final: (\{[^}]*\})")
 
 
@@ -122,7 +168,7 @@ def _assert_healed(params: dict[int, Any], reference: dict[int, Any],
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
-def test_a_standby_takes_the_lost_ranks_place_with_its_state_and_the_run_ends_where_a_fault_free_run_ends(  # noqa: E501
+def test_a_standby_takes_the_lost_ranks_place_with_its_state_and_the_run_ends_where_a_fault_free_run_ends(
         tmp_path: Path, fault_free: dict[int, Any], fault: str) -> None:
     code, text, finals = _run(tmp_path, fault, [*SINGLE, "--spares", "1"], EXAMPLE_FAULT=fault)
     assert sorted(finals) == [0, 1, 2, 4], text[-6000:]
@@ -131,6 +177,9 @@ def test_a_standby_takes_the_lost_ranks_place_with_its_state_and_the_run_ends_wh
     assert "state version 6 handed over by rank 0 to [4]" in text, text[-6000:]
     _assert_healed(_params(tmp_path, fault), fault_free, [0, 1, 2, 4])
     assert "terminate called" not in text, text[-6000:]
+    # the new standby (member 5) learns that the job finished and exits 0 by itself
+    assert "[frforensics.recovery rank 5] the job finished without needing this standby" \
+        in text and "did not exit within" not in text, text[-6000:]
     assert code == 0, text[-6000:]
 
 
@@ -150,7 +199,7 @@ def test_without_spares_the_survivors_finish_at_world_three_with_equal_parameter
 
 def test_a_survivor_whose_state_dict_raises_is_replaced_as_sender_by_the_next(
         tmp_path: Path, fault_free: dict[int, Any]) -> None:
-    code, text, finals = _run(tmp_path, "raise", [*SINGLE, "--spares", "1"], hostile="raise",
+    code, text, _ = _run(tmp_path, "raise", [*SINGLE, "--spares", "1"], hostile="raise",
                               EXAMPLE_FAULT="kill")
     assert "rank 0 could not hand over its state (its state_dict() failed: RuntimeError: " \
            "planted" in text, text[-6000:]
@@ -227,3 +276,28 @@ def test_two_agents_heal_a_rank_lost_on_the_second_node_with_its_state(
     _assert_healed(params, fault_free, members)
     assert codes == [0, 0], text[-6000:]
     assert os.path.exists(out)
+
+
+@pytest.mark.parametrize(("mesh", "why"), [
+    ("fsdp", "rank 3's shard has no replica: restore from a checkpoint"),
+    ("hsdp", "rank 3's shard is replicated on rank 1, but re-forming a device mesh around a "
+             "standby is not supported: restore from a checkpoint"),
+])
+def test_a_sharded_model_losing_a_rank_is_refused_with_one_line_never_trained_with_a_hole(
+        tmp_path: Path, mesh: str, why: str) -> None:
+    import subprocess
+
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED)
+    (tmp_path / "dumps").mkdir()
+    with (tmp_path / "sharded.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "frforensics.run", *SINGLE, str(script)],
+                                env=_env(tmp_path, FRT_MESH=mesh), stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        code = _finish(proc, 200)
+    text = (tmp_path / "sharded.log").read_text(errors="replace")
+    refused = re.findall(r"REFUSED (\d) (.*)", text)
+    assert refused and all(reason == f"not excluding anyone: {why}" for _, reason in refused), \
+        text[-6000:]
+    assert "TRAINED ON" not in text and "was excluded from the job" not in text
+    assert code != 0

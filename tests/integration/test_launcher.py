@@ -62,6 +62,8 @@ def emit(**kw):
 step, after = 0, 0
 if me in st.spares:
     g = recovery.standby(timeout_s=150)
+    if not g.reconfigured:
+        raise SystemExit(0)  # the job finished without needing this standby
     emit(event="admitted", rank=g.rank, world_size=g.world_size)
     t = torch.zeros(1)
     dist.broadcast(t, 0)
@@ -95,8 +97,7 @@ while after < 20 and not (MODE == "noise" and step >= 150):
     except recovery.RecoveryError as exc:
         emit(event="gave_up", kind=type(exc).__name__, reason=exc.reason,
              verdicts=[v.get("headline", "") for v in exc.verdicts if isinstance(v, dict)])
-        sys.stdout.flush()
-        os._exit(3)
+        raise SystemExit(3)
     if g.reconfigured:
         emit(event="reconfigured", rank=g.rank, world_size=g.world_size, excluded=g.excluded,
              step=step, failed=g.error is not None,
@@ -113,12 +114,8 @@ while after < 20 and not (MODE == "noise" and step >= 150):
     step += 1
 emit(event="done", after=after, step=step, members=recovery.state().members,
      rank=dist.get_rank(), world_size=dist.get_world_size())
-# A survivor whose gloo op was abandoned by the recovery can abort in interpreter
-# teardown ("terminate called without an active exception", SIGABRT; measured):
-# leave without it (docs/recovery.md, Limits).
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+st.close()
+dist.destroy_process_group()  # and a normal exit: every process that finished exits 0
 '''
 
 

@@ -50,6 +50,8 @@ def emit(**kw):
 step, after, t_fail = 0, 0, None
 if rank in rec.spares:
     g = rec.standby(timeout_s=60)
+    if not g.reconfigured:
+        raise SystemExit(0)  # the job finished without needing this standby
     emit(event="admitted", rank=g.rank, world_size=g.world_size)
     t = torch.zeros(1)
     dist.broadcast(t, 0)  # the step the others are at
@@ -93,7 +95,7 @@ while step < TOTAL or (rec.history and after < 20):
         end = time.monotonic() + 30
         while not os.path.exists(RELEASE) and time.monotonic() < end:
             time.sleep(0.1)   # rank 0 hosts the store: keep it until the test is done
-        os._exit(3)
+        raise SystemExit(3)
     if g.reconfigured:
         emit(event="reconfigured", rank=g.rank, world_size=g.world_size, excluded=g.excluded,
              recovery_s=g.seconds, since_fail_s=time.time() - t_fail,
@@ -118,7 +120,7 @@ rec.close()
 end = time.monotonic() + 30
 while not os.path.exists(RELEASE) and time.monotonic() < end:
     time.sleep(0.1)   # rank 0 hosts the store: keep it until the test is done
-os._exit(0)
+dist.destroy_process_group()  # and a normal exit: every process that finished exits 0
 """
 
 

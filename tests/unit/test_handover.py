@@ -52,7 +52,7 @@ def test_a_state_round_trips_through_its_manifest_and_its_tensors() -> None:
     assert again == manifest and again.version == 12
     # the receiver's side: tensors rebuilt from the manifest's dtypes/shapes, bytes copied
     rebuilt = [torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in again.tensors]
-    for dst, src in zip(ho._byte_views(rebuilt), ho._byte_views(tensors)):
+    for dst, src in zip(ho._byte_views(rebuilt), ho._byte_views(tensors), strict=True):
         dst.copy_(src)
     assert _equal(ho.unflatten(again, rebuilt), state)
 

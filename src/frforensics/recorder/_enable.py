@@ -367,21 +367,45 @@ def _is_peer_loss(message: str) -> bool:
 def _at_exit() -> None:
     try:
         sess = _session
-        if sess is None or not sess.rec.active or not sess.rec.groups:
+        if sess is None:
             return
         rec, dog = sess.rec, sess.watchdog
-        if dog is not None:
-            dog.check_flag_at_exit()  # a rank tearing down still answers the flag
-        mode = rec.config.dump_on_exit
-        unfinished = dog.unfinished() if dog is not None else False
-        if mode == "always" or (mode == "auto" and unfinished):
-            death = DeathInfo(kind="exit", message="process exited with ops unfinished"
-                              if unfinished else "process exited")
-            sess.writer.dump(DumpReason.EXIT, death.message, death=death, automatic=True)
-        if dog is not None:
-            dog.shutdown(join_timeout_s=1.0)
+        if rec.active and rec.groups:
+            if dog is not None:
+                dog.check_flag_at_exit()  # a rank tearing down still answers the flag
+            mode = rec.config.dump_on_exit
+            unfinished = dog.unfinished() if dog is not None else False
+            if mode == "always" or (mode == "auto" and unfinished):
+                death = DeathInfo(kind="exit", message="process exited with ops unfinished"
+                                  if unfinished else "process exited")
+                sess.writer.dump(DumpReason.EXIT, death.message, death=death, automatic=True)
     except Exception:
         pass
+    _join_threads_at_exit(sess)
+
+
+def _join_threads_at_exit(sess: Session | None) -> None:
+    """Stop and join every thread of the session that may be inside a store call.
+
+    Whether or not anything was recorded (a standby that never joined a group has
+    a watchdog polling the store too): a daemon thread still in a pybind11 call
+    when the interpreter finalizes is ended by ``pthread_exit`` from ``take_gil``,
+    which unwinds through pybind11's noexcept ``~gil_scoped_release`` --
+    ``std::terminate``, SIGABRT, exit code -6 for a process that finished.
+    """
+    if sess is None:
+        return
+    with contextlib.suppress(Exception):
+        if sess.live is not None:
+            sess.live.stop()
+            sess.live.join(timeout=2.0)
+    with contextlib.suppress(Exception):
+        if sess.verdict is not None:
+            sess.verdict.stop()
+            sess.verdict.join(timeout=2.0)
+    with contextlib.suppress(Exception):
+        if sess.watchdog is not None:
+            sess.watchdog.shutdown(join_timeout_s=2.0)
 
 
 def _autoenable() -> None:

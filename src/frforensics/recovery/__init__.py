@@ -268,8 +268,9 @@ class State:
     #: Successful guarded steps since setup (the state version; a standby takes the
     #: sender's with its state).
     version: int = 0
-    #: The exclusion watcher (joined by ``Recovery.close``).
+    #: The exclusion watcher (joined by ``Recovery.close``) and the event that wakes it.
     watcher: threading.Thread | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class Recovery:
@@ -380,7 +381,10 @@ class Recovery:
     def standby(self, *, timeout_s: float | None = None) -> Guard:
         """In a spare process: wait until a recovery admits it; returns its place.
 
-        Raises :class:`RecoveryFailed` when ``timeout_s`` passes first.
+        When the survivors hand over their state (``setup(state_dict=...)``), it is
+        loaded here, before this returns. A ``Guard`` with ``reconfigured`` False
+        means the job finished without needing this standby (every member closed):
+        exit 0. Raises :class:`RecoveryFailed` when ``timeout_s`` passes first.
         """
         return _standby(self._live(), timeout_s)
 
@@ -398,6 +402,7 @@ class Recovery:
             with contextlib.suppress(Exception):  # the store may be gone at the very end
                 st.store.add(f"{st.uuid}/closed", 1)
         st.closed = True
+        st.stop.set()
         if _current is self:
             _current = None
         watcher = st.watcher
@@ -1094,6 +1099,7 @@ def recover(st: State, g: Guard, *, cause: BaseException | None = None,
             max_exclusions=opts.max_exclusions,
             excluded_so_far=sum(len(h["excluded"]) for h in st.history),
             min_world_size=opts.min_world_size)
+        _refuse_lost_shards(st, excluded, verdict)
         t_verdict = time.monotonic()
         _reform(st, g, verdict, excluded, t0)
         g.phases["reform_s"] = time.monotonic() - t_verdict - g.phases.get("handover_s", 0.0)
@@ -1209,6 +1215,19 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: dict[str, Any
               "reason": decision.get("reason", ""), "time_ns": time.time_ns()}
     st.history.append(record)
     _note_recorder(st, record)
+
+
+def _refuse_lost_shards(st: State, excluded: list[int], verdict: dict[str, Any]) -> None:
+    """:class:`RecoveryRefused` when excluding ``excluded`` loses a shard of the state."""
+    if st.state_dict is None:
+        return
+    try:
+        why = _handover.lost_shards(st.state_dict(), excluded)
+    except Exception as exc:  # the hand-over's own attempt will report a failing state_dict
+        log.debug("frforensics.recovery: lost-shard check skipped: %s", exc)
+        return
+    if why:
+        raise RecoveryRefused(f"not excluding anyone: {why}", [verdict])
 
 
 def _hand_over(st: State, decision: dict[str, Any], verdict: dict[str, Any]) -> None:
@@ -1518,7 +1537,8 @@ def _exclusion_watch(st: State) -> None:
     """Daemon: a live process that a decision excluded is told so and exits."""
     failures = 0
     while not st.closed and failures < 3:  # the store is gone: the job is over
-        time.sleep(0.1)
+        if st.stop.wait(0.1):  # close(): at once, never into another store call
+            break
         if st.recovering or st.me not in st.members:
             continue
         uuid = st.uuid + 1

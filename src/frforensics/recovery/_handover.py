@@ -239,6 +239,64 @@ def flatten(state: Mapping[str, Any], *, version: int) -> tuple[Manifest, list[A
     return Manifest(version=version, tree=tree, tensors=tuple(leaves)), tensors
 
 
+def lost_shards(state: Mapping[str, Any], excluded: list[int]) -> str | None:
+    """Why excluding ``excluded`` would leave a hole in ``state``'s sharded tensors, or None.
+
+    A DTensor (FSDP2's parameters and optimizer state, tensor parallel) holds one
+    shard per position on its mesh's sharded dimensions; the ranks that differ
+    from an excluded rank only on replicated dimensions hold its shard too
+    (HSDP's replica peers). With no such rank left the shard is gone: training
+    on would train a model with a hole, so recovery refuses -- one line, the
+    first lost shard. Re-forming a device mesh around a standby is not done
+    (docs/recovery.md, Limits), so a replicated shard is refused too, naming
+    where its replica lives.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    seen: set[tuple[int, tuple[str, ...]]] = set()
+    lost = set(excluded)
+
+    def check(t: Any) -> str | None:
+        mesh, placements = t.device_mesh, tuple(t.placements)
+        sig = (id(mesh), tuple(str(p) for p in placements))
+        if sig in seen:
+            return None
+        seen.add(sig)
+        grid = mesh.mesh
+        sharded = [d for d, p in enumerate(placements) if p.is_shard()]
+        if not sharded:
+            return None
+        for r in sorted(lost):
+            at = (grid == r).nonzero()
+            if not len(at):
+                continue
+            coords = at[0].tolist()
+            same = grid
+            for d in sorted(sharded, reverse=True):  # keep only the replicated dims
+                same = same.select(d, coords[d])
+            replicas = sorted(int(x) for x in same.reshape(-1).tolist() if int(x) not in lost)
+            if not replicas:
+                return f"rank {r}'s shard has no replica: restore from a checkpoint"
+            return (f"rank {r}'s shard is replicated on rank {replicas[0]}, but re-forming a "
+                    "device mesh around a standby is not supported: restore from a checkpoint")
+        return None
+
+    def walk(node: Any) -> str | None:
+        if isinstance(node, DTensor):
+            return check(node)
+        children = node.values() if isinstance(node, Mapping) else \
+            node if isinstance(node, (list, tuple)) else ()
+        for child in children:
+            why = walk(child)
+            if why:
+                return why
+        return None
+
+    return walk(state)
+
+
 def unflatten(manifest: Manifest, tensors: list[Any]) -> dict[str, Any]:
     """The nested state ``manifest`` describes, with ``tensors`` in its places."""
 
