@@ -387,4 +387,5 @@ def test_setup_takes_and_returns_only_what_the_module_exports() -> None:
     assert not hasattr(recovery, "_reset_for_tests")
     sig = inspect.signature(recovery.setup)
     assert sig.return_annotation == "Recovery"
-    assert set(sig.parameters) == {"spares", "options", "source", "recorder"}
+    assert set(sig.parameters) == {"spares", "options", "source", "recorder",
+                                   "state_dict", "load_state_dict"}
