@@ -39,7 +39,9 @@ and each registered subgroup that lost a member with a fresh uuid, and a checked
 all_reduce proves the new group works. Every wait is bounded; a failure raises
 :class:`RecoveryFailed` with the verdict and the reason (never a second hang).
 An excluded rank that is still alive learns it from the store (a daemon thread)
-and exits with :data:`EXIT_EXCLUDED`.
+and exits with :data:`EXIT_EXCLUDED`. A standby admitted in its place receives
+the survivors' training state (``setup(state_dict=..., load_state_dict=...)``;
+:mod:`frforensics.recovery._handover`) before :meth:`Recovery.standby` returns.
 
 Ranks are *member ids*: the global rank each process had at ``init_process_group``.
 They never change; group ranks do (``g.rank``).
