@@ -32,9 +32,11 @@ from frforensics.recorder._tail import tail_bytes
 
 ROOT = os.path.dirname(DUMP_DIR)
 
-def save(verdict):
-    with open(os.path.join(ROOT, f"learned_{rank}.json"), "w") as fh:
+def save(verdict):  # atomically: the test polls for the file and reads it at once
+    path = os.path.join(ROOT, f"learned_{rank}.json")
+    with open(path + ".tmp", "w") as fh:
         json.dump(verdict, fh)
+    os.replace(path + ".tmp", path)
 
 recorder.add_verdict_listener(save)
 if rank == 3:

@@ -124,9 +124,11 @@ import frforensics.recorder as recorder
 ROOT = os.path.dirname(DUMP_DIR)
 MY_DIR = os.path.join(DUMP_DIR, f"rank{rank}") if os.environ.get("FRT_PER_RANK") else DUMP_DIR
 
-def save(verdict):
-    with open(os.path.join(ROOT, f"learned_{rank}.json"), "w") as fh:
+def save(verdict):  # atomically: the test polls for the file and reads it at once
+    path = os.path.join(ROOT, f"learned_{rank}.json")
+    with open(path + ".tmp", "w") as fh:
         json.dump(verdict, fh)
+    os.replace(path + ".tmp", path)
 
 recorder.add_verdict_listener(save)
 recorder.enable(MY_DIR, timeout_s=float(os.environ["FRT_DEADLINE_S"]),
@@ -291,8 +293,10 @@ def test_abort_after_verdict_exits_every_rank_with_the_documented_code(run_torch
 def test_rearm_opens_a_second_incident_with_its_own_verdict(run_job):
     body = PRELUDE + """
 def save_k(verdict):
-    with open(os.path.join(ROOT, f"learned_{rank}_{verdict['incident']}.json"), "w") as fh:
+    path = os.path.join(ROOT, f"learned_{rank}_{verdict['incident']}.json")
+    with open(path + ".tmp", "w") as fh:
         json.dump(verdict, fh)
+    os.replace(path + ".tmp", path)
 
 recorder.add_verdict_listener(save_k)
 for step in range(1, 5):
