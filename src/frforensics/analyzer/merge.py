@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from frforensics.analyzer.digest import RankDigest, str_hash
+from frforensics.analyzer.frontiers import mark_frontiers
 from frforensics.model import GroupInfo, OpState
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet, listable
 from frforensics.report import GroupRef, format_ranks
@@ -111,6 +112,13 @@ class JobModel:
     #: the part of ``missing`` too many to name one by one (``rankset.listable``),
     #: held only as ranges; empty for a job whose missing ranks are listable
     unlisted: RankSet = field(default_factory=RankSet)
+    #: group id -> the lowest frontier (newest collective seq) of its dumped members,
+    #: for groups whose members' frontiers disagree in retirement-only dumps
+    #: (``analyzer.frontiers``): seqs above it are not compared across members
+    frontier_limit: dict[int, int] = field(default_factory=dict)
+    #: rank -> the first row of its error path: the row after its first failed op
+    #: (``analyzer.frontiers``); the signature pass does not compare rows from there
+    error_from: dict[int, int] = field(default_factory=dict)
     _views: dict[tuple[int, int], _RankGroupView] = field(default_factory=dict)
     _blocked: dict[int, int | None] = field(default_factory=dict)
     _dumped: dict[int, list[int]] = field(default_factory=dict)
@@ -118,6 +126,11 @@ class JobModel:
     _split: dict[int, tuple[list[int], RankSet]] = field(default_factory=dict)
     _ascending: bool | None = None
     _coll: CollectiveRows | None = None
+
+    def reset_caches(self) -> None:
+        """Forget what was computed from the digests (after a pass replaced some)."""
+        self._blocked.clear()
+        self._coll = None
 
     def members_ascending(self) -> bool:
         """True when every group's members are listed in strictly ascending rank
@@ -303,8 +316,14 @@ class JobModel:
         if gid is None:
             return False
         seq = int(d.seq[row])
+        dumped = self.dumped_members(gid)
+        if len(dumped) < len(self.groups[gid].ranks):
+            # a member left no dump: whether it entered the op is unknown, and a
+            # peer's retirement may be a failure (gloo retires failed work as it
+            # retires completed work), so nothing shows that the op ran
+            return False
         done = False
-        for member in self.dumped_members(gid):
+        for member in dumped:
             if member == rank:
                 continue
             view = self.view(member, gid)
@@ -616,8 +635,8 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
             "dump time unknown for some ranks (native dumps do not record it): "
             "every unfinished op is treated as a wait, and timeouts cannot be judged exactly"
         )
-    return JobModel(
-        digests=digests,
+    job = JobModel(
+        digests=dict(digests),
         world=world,
         world_size=known_size,
         groups=groups,
@@ -628,6 +647,8 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
         missing=missing,
         unlisted=unlisted,
     )
+    job.notes.extend(mark_frontiers(job))
+    return job
 
 
 @functools.total_ordering

@@ -46,7 +46,9 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
     if view is None or len(view.coll_rows) == 0:
         return None
     d = job.digests[rank]
-    rows = view.coll_rows
+    rows = _program_order(job, rank, gid, view.coll_rows)
+    if len(rows) == 0:
+        return None
     if job.window_evicted(rank) and not d.whole_oldest \
             and _maybe_cut(job, rank, rows, view.min_seq):
         rows = rows[d.seq[rows] != view.min_seq]
@@ -72,6 +74,20 @@ def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ..
         seq = seq[starts]
     ranks = np.full(len(seq), rank, dtype=np.int64)
     return seq, ranks, op, dtype, size
+
+
+def _program_order(job: JobModel, rank: int, gid: int,
+                   rows: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+    """``rows`` less what is not the program's order (``analyzer.frontiers``): the
+    rank's error path (rows after its first failed op) and seqs beyond the group's
+    lowest frontier."""
+    stop = job.error_from.get(rank)
+    if stop is not None:
+        rows = rows[rows < stop]
+    limit = job.frontier_limit.get(gid)
+    if limit is not None:
+        rows = rows[job.digests[rank].seq[rows] <= limit]
+    return rows
 
 
 def _dtypes(hashes: npt.NDArray[np.uint32]) -> npt.NDArray[np.int64]:
@@ -134,6 +150,7 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     group-by-group form as their oracle)."""
     c = collective_rows(job)
     keep = _uncut(job, c)
+    keep = _in_program_order(job, c, keep)
     order = c.order if keep is None else c.order[keep[c.order]]
     if len(order) == 0:
         return ()
@@ -177,6 +194,24 @@ def _uncut(job: JobModel, c: CollectiveRows) -> npt.NDArray[np.bool_] | None:
                     keep = np.ones(len(c.seq), dtype=np.bool_)
                 keep[lo:hi] &= ~((c.gid[lo:hi] == gid) & (c.seq[lo:hi] == view.min_seq))
     return keep
+
+
+def _in_program_order(job: JobModel, c: CollectiveRows,
+                      keep: npt.NDArray[np.bool_] | None) -> npt.NDArray[np.bool_] | None:
+    """``keep`` less the rows ``_program_order`` leaves out (None: all kept)."""
+    if not job.error_from and not job.frontier_limit:
+        return keep
+    out = np.ones(len(c.seq), dtype=np.bool_) if keep is None else keep.copy()
+    base = 0
+    for i, d in enumerate(c.digests):
+        stop = job.error_from.get(c.ranks[i])
+        if stop is not None:
+            lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
+            out[lo:hi] &= (c.take[lo:hi] - base) < stop
+        base += len(d)
+    for gid, limit in job.frontier_limit.items():
+        out &= ~((c.gid == gid) & (c.seq > limit))
+    return out
 
 
 def _compare_units(job: JobModel, ranks: list[int], seq: npt.NDArray[np.int64],

@@ -373,14 +373,15 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
             cached = coll_cache[(gid, seq)] = (status, unlisted)
         status, unlisted = cached
         if any(s == "completed" for s in status.values()) and (
-                d.gpu_states or "not_entered" not in status.values()):
+                d.gpu_states or not {"not_entered", "no_dump"} & set(status.values())):
             # A collective completes on all members or none: members that finished
             # it prove it ran. This rank's entry is ``started`` (blocked_row skips
             # the scheduled ones that only await retirement): its kernel never
             # finished here — stuck in the op, waiting on nobody. Not so in
-            # retirement-only states (gloo) when a member never entered it: it
-            # cannot have run, and the peers retired a failure (merge.
-            # JobModel._completed_elsewhere); this rank waits on that member.
+            # retirement-only states (gloo) when a member never entered it or left
+            # no dump: it cannot have run (or nothing shows it did), and the peers
+            # may have retired a failure (merge.JobModel._completed_elsewhere); this
+            # rank waits on that member.
             waits[rank] = Wait(rank, row, gid, seq, "collective", op, (), {},
                                tuple(m for m, s in status.items() if s != "no_dump"),
                                age, detail)

@@ -57,6 +57,7 @@ import numpy as np
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors._cascade import cascade
 from frforensics.analyzer.detectors._roots import primary_wait, since
+from frforensics.analyzer.frontiers import retirement_only
 from frforensics.analyzer.waits import Wait
 from frforensics.model import OpState, SourceFormat
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet
@@ -177,6 +178,14 @@ def detect(ctx: Context) -> list[Finding]:
                    f"ranks {ctx.ranks(ranks)} left no dump, and ranks {waiting} wait for them "
                    f"in {where}: they likely crashed, were killed, or their hosts died; check "
                    "those hosts' logs")
+        sure = "high"
+        if _retired_by_some(ctx, first):
+            sure = "medium"
+            message += (f". How sure: medium — some rank(s) retired {first.op} #{first.seq}, and "
+                        "PyTorch's gloo recorder retires a failed op as it retires a completed "
+                        "one: a healthy job dumped mid-op whose file was not collected reads "
+                        "the same; if the dump was only not collected, collect it and analyze "
+                        "again")
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
             severity=Severity.ERROR,
@@ -189,7 +198,8 @@ def detect(ctx: Context) -> list[Finding]:
             op=first.op,
             location=first.location,
             # the dumps prove the others wait on it; why it left no file they cannot say
-            evidence={"direct_waiters": sorted({w.rank for w in direct}), "confidence": "high"},
+            evidence={"direct_waiters": sorted({w.rank for w in direct}), "confidence": sure,
+                      "missing": list(ranks)},
         ))
     stopped = stopped_with_missing(ctx)
     blamed = sorted({m for _, _, gone in stopped.values() for m in gone
@@ -229,6 +239,16 @@ def detect(ctx: Context) -> list[Finding]:
     if not listed or ctx.graph.unlisted is not None:
         findings.extend(_unlisted(ctx, {*named, *stale}))
     return findings
+
+
+def _retired_by_some(ctx: Context, wait: Wait) -> bool:
+    """Some dumped member retired the collective ``wait`` is blocked in, in dumps whose
+    states come from retirement alone (PyTorch's gloo dumps): it may have run, and
+    the rank without a dump merely not been collected."""
+    if wait.seq_kind != "collective" or not retirement_only(ctx.job.digests[wait.rank]):
+        return False
+    return any(ctx.job.state_in(m, wait.gid, wait.seq) == OpState.COMPLETED
+               for m in ctx.job.dumped_members(wait.gid))
 
 
 def stopped_finding(ctx: Context, stopped: dict[int, tuple[int, int, tuple[int, ...]]],

@@ -1,0 +1,86 @@
+"""Frontiers and error paths (``analyzer/frontiers.py``) on real dumps of both sources.
+
+The dumps are tests/data/native_frontiers (README.md there): a real 4-rank gloo job
+under torchrun whose rank 1 leaves early, raises, or dies while the survivors' error
+handlers issue new collectives in different orders. Each verdict must name rank 1
+alone, from our dumps and from PyTorch's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
+from frforensics.model import OpState
+from frforensics.report import FindingKind, Report
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "native_frontiers"
+SOURCES = {"ours": "frdump_rank_", "native": "nccl_trace_rank_"}
+
+
+def _report(tmp_path: Path, case: str, source: str) -> Report:
+    for src in (DATA / case).iterdir():
+        if src.name.startswith(SOURCES[source]):
+            shutil.copy(src, tmp_path / src.name)
+    return analyze(load_dumps([tmp_path], jobs=1), options=AnalyzeOptions(world_size=4))
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+@pytest.mark.parametrize("case", ["stop", "raise", "errpath"])
+def test_rank_1_alone_is_the_culprit(tmp_path: Path, case: str, source: str) -> None:
+    report = _report(tmp_path, case, source)
+    assert report.culprit_ranks == (1,), [f.message for f in report.findings]
+    assert report.status.value == "hang"
+    # the survivors' error-path collectives are never read as a desync
+    assert not [f for f in report.findings if f.kind is FindingKind.OP_MISMATCH]
+
+
+def test_a_rank_that_left_early_is_never_healthy_from_pytorchs_dumps(tmp_path: Path) -> None:
+    # every entry retired: rank 1's newest op is #7, its peers retired #8, which
+    # cannot have run without rank 1 (PyTorch's gloo recorder retires a failure)
+    report = _report(tmp_path, "stop", "native")
+    f = report.findings[0]
+    assert f.kind is FindingKind.MISSING_RANK and f.culprit_ranks == (1,)
+    assert (f.op, f.seq) == ("all_reduce", 8)
+    assert set(f.waiting_ranks) == {0, 2, 3}
+    assert any("read as failed" in n for n in report.notes)
+
+
+def test_retired_ops_beyond_a_members_frontier_are_marked_failed(tmp_path: Path) -> None:
+    from frforensics.analyzer.merge import build_job
+
+    for src in (DATA / "stop").iterdir():
+        if src.name.startswith("nccl_trace"):
+            shutil.copy(src, tmp_path / src.name)
+    dumps = load_dumps([tmp_path], jobs=1)
+    job = build_job(dumps.digests, world_size=4)
+    assert job.frontier_limit == {0: 7}
+    for rank in (0, 2, 3):
+        d = job.digests[rank]
+        assert [int(s) for s in d.seq[d.state == OpState.FAILED]] == [8]
+        assert rank not in job.error_from  # nothing after the failed op: no error path
+    assert not (job.digests[1].state == OpState.FAILED).any()
+    # the loaded digests themselves are untouched
+    assert not any((d.state == OpState.FAILED).any() for d in dumps.digests.values())
+
+
+def test_the_error_path_is_cut_from_the_comparison_in_our_dumps(tmp_path: Path) -> None:
+    from frforensics.analyzer.merge import build_job
+    from frforensics.analyzer.signatures import find_mismatches, units
+
+    for src in (DATA / "errpath").iterdir():
+        if src.name.startswith("frdump"):
+            shutil.copy(src, tmp_path / src.name)
+    job = build_job(load_dumps([tmp_path], jobs=1).digests, world_size=4)
+    # ranks 0 and 2 failed in #8, then called barrier / broadcast as #9
+    for rank in (0, 2):
+        d = job.digests[rank]
+        first = int(d.seq[job.error_from[rank] - 1])
+        assert first == 8 and int(d.state[job.error_from[rank] - 1]) == OpState.FAILED
+        got = units(job, rank, 0)
+        assert got is not None and int(got[0].max()) == 8
+    assert find_mismatches(job) == ()
+
