@@ -633,6 +633,25 @@ def code_sides(finding: Finding, *, limit: int = 4) -> list[str]:
     return lines[:limit]
 
 
+def culprit_code(finding: Finding, *, limit: int = 3) -> list[str]:
+    """For a finding whose culprits stand elsewhere than the op they never joined
+    (``evidence.culprit_code``): ``'rank 2: train.py:199 in idle (called from ...)'``
+    per culprit, then the op's call site, where the waiters stand; [] otherwise."""
+    where = finding.evidence.get("culprit_code") if finding.evidence else None
+    if not isinstance(where, dict) or not where:
+        return []
+    named = {str(r) for r in finding.culprit_ranks}
+    lines = [f"rank {rank}: {at}" for rank, at in where.items() if rank in named][:limit]
+    if not lines:
+        return []
+    if finding.location:
+        number = "" if finding.seq is None else (
+            f" #{finding.seq}" if finding.seq_kind == "collective" else f" (p2p #{finding.seq})")
+        lines.append(f"never joined {finding.op or '?'}{number}, called at {finding.location} "
+                     "(where the waiters are)")
+    return lines
+
+
 def format_ranks(ranks: Sequence[int] | Iterable[int], *, limit: int = 12) -> str:
     """Compact rank list: ``[0,1,2,3,7,9,10]`` -> ``'0-3,7,9-10'``.
 

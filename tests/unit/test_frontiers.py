@@ -84,3 +84,17 @@ def test_the_error_path_is_cut_from_the_comparison_in_our_dumps(tmp_path: Path) 
         assert got is not None and int(got[0].max()) == 8
     assert find_mismatches(job) == ()
 
+
+def test_the_headline_code_line_says_where_the_culprit_is_then_the_op() -> None:
+    # issue 29: on the shipped missing_rank sample, rank 2 idles in make_samples.py's
+    # idle(), called from missing_rank(); its peers wait in step_all_reduce
+    from frforensics.reporting.text import render
+
+    sample = Path(__file__).resolve().parents[2] / "sample_dumps" / "missing_rank"
+    text = render(analyze(load_dumps([sample], jobs=1)), width=400)
+    code = [line for line in text.splitlines() if line.startswith("  Code:")]
+    assert len(code) == 1
+    assert "rank 2: " in code[0] and "make_samples.py:199 in idle" in code[0]
+    assert "(called from " in code[0] and ":90 in missing_rank)" in code[0]
+    after = text.splitlines()[text.splitlines().index(code[0]) + 1]
+    assert "never joined all_reduce #5" in after and "make_samples.py:73 in step_all_reduce" in after

@@ -100,7 +100,9 @@ def test_markdown_leads_with_verdict_culprit_collective_group_and_code() -> None
     assert "| **Culprit** | rank 2 |" in md
     assert "| **Collective** | `all_reduce #17` |" in md
     assert "| **Group** | default_pg (name 0, ranks 0-3) |" in md
-    assert "capture_native.py:243 in train_step`" in md
+    # where the culprit was first (issue 29), then the op it never joined
+    assert "| **Code** | `rank 2: /work/main/scripts/capture_native.py:253 in train_step" in md
+    assert "never joined all_reduce #17, called at /work/main/scripts/capture_native.py:243 in train_step" in md
     assert "| 0-1,3 | 3 | blocked in all_reduce #17 on default_pg (name 0, ranks 0-3) |" in md
 
 

@@ -232,8 +232,9 @@ def _hidden_p2p_roots(ctx: Context, findings: list[Finding]) -> list[Finding]:
             "another, so the dumps cannot tell which of them is the root; candidates in "
             "evidence.candidates): ")
     return [replace(f, culprit_ranks=(), message=lead + f.message,
-                    evidence={**f.evidence, "candidates": candidates,
-                              "hidden_p2p": True}) if uncertain(f) else f
+                    evidence={**{k: v for k, v in f.evidence.items() if k != "culprit_code"},
+                              "candidates": candidates, "hidden_p2p": True})
+            if uncertain(f) else f
             for f in findings]
 
 

@@ -14,12 +14,13 @@ from frforensics.report import (
     Severity,
     Status,
     code_sides,
+    culprit_code,
     format_ranks,
     rank_states,
     timeline_ranks,
 )
 
-__all__ = ["TIMELINE_RANKS", "RankState", "action_lines", "code_sides", "culprit_label",
+__all__ = ["TIMELINE_RANKS", "RankState", "action_lines", "code_sides", "culprit_code", "culprit_label",
            "rank_states", "seq_label", "timeline_ranks", "top_finding"]
 
 MAX_STATES = 12

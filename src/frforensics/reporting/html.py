@@ -33,6 +33,7 @@ from frforensics.reporting._shared import (
     MAX_STATES,
     STATUS_WORD,
     TIMELINE_RANKS,
+    culprit_code,
     culprit_label,
     rank_states,
     seq_label,
@@ -142,7 +143,10 @@ def _summary_table(report: Report, top: Finding) -> str:
         rows.append(("Collective", f"<code>{escape(seq_label(top))}</code>"))
     if top.pg is not None:
         rows.append(("Group", escape(top.pg.label())))
-    if top.location:
+    where = culprit_code(top)
+    if where:
+        rows.append(("Code", "<br>".join(f"<code>{escape(line)}</code>" for line in where)))
+    elif top.location:
         rows.append(("Code", f"<code>{escape(top.location)}</code>"))
     if top.waiting_ranks:
         rows.append(("Waiting", f"ranks {_ranks(top.waiting_ranks)}"))

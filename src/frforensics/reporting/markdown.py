@@ -15,6 +15,7 @@ from frforensics.reporting._shared import (
     MAX_STATES,
     STATUS_WORD,
     action_lines,
+    culprit_code,
     culprit_label,
     rank_states,
     seq_label,
@@ -74,7 +75,10 @@ def render(report: Report) -> str:
             lines.append(f"| **Collective** | {_code(seq_label(top))} |")
         if top.pg is not None:
             lines.append(f"| **Group** | {_cell(top.pg.label())} |")
-        if top.location:
+        where = culprit_code(top)
+        if where:
+            lines.append(f"| **Code** | {'<br>'.join(_code(line) for line in where)} |")
+        elif top.location:
             lines.append(f"| **Code** | {_code(top.location)} |")
         if top.waiting_ranks:
             lines.append(f"| **Waiting** | ranks {format_ranks(top.waiting_ranks)} |")

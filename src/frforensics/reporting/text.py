@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from frforensics.report import Finding, Report, Severity, Status, format_ranks
 from frforensics.reporting._escape import printable
-from frforensics.reporting._shared import action_lines, code_sides, rank_states
+from frforensics.reporting._shared import action_lines, code_sides, culprit_code, rank_states
 from frforensics.verdict import first_clause
 
 _STATUS_STYLE = {
@@ -83,7 +83,7 @@ def render(report: Report, *, width: int = 100, color: bool = False) -> str:
             seq = "" if top.seq is None else (
                 f" #{top.seq}" if top.seq_kind == "collective" else f" (p2p #{top.seq})")
             out(f"  [bold]Where:[/]    {escape(top.op or '?')}{seq} on {escape(top.pg.label())}")
-        sides = code_sides(top)
+        sides = culprit_code(top) or code_sides(top)
         if sides:
             for i, line in enumerate(sides):
                 out(f"  [bold]{'Code:' if i == 0 else '':<9}[/] {escape(line)}")

@@ -100,6 +100,28 @@ def rank_activity(ctx: Context, rank: int, *, last: int = 3) -> dict[str, Any]:
     }
 
 
+def culprit_at(ctx: Context, rank: int) -> str | None:
+    """Where ``rank`` itself was, for the headline's ``Code:`` line: its main thread
+    at dump time with its caller, else where its newest recorded op was issued."""
+    d = ctx.job.digests.get(rank)
+    if d is None:
+        return None
+    where = d.stuck_at()
+    if where:
+        for t in d.threads:
+            if t.is_main and len(t.frames) > 1:
+                callers = [f for f in t.frames[1:2] if str(f) != where]
+                if callers:
+                    return f"{where} (called from {callers[0]})"
+        return where
+    if d.details:
+        det = d.details[max(d.details)]
+        if det.location:
+            number = f"p2p #{det.p2p_seq}" if det.is_p2p else f"#{det.seq}"
+            return f"{det.location} (its newest recorded op, {det.op} {number}: it stopped after it)"
+    return None
+
+
 def doing(ctx: Context, rank: int) -> str:
     """One clause on what ``rank`` was doing at dump time: where its main thread
     was (with the frames above it) and its last recorded op."""

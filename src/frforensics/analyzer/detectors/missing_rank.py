@@ -17,7 +17,13 @@ Worked example (TP {0,1},{2,3}; DP {0,2},{1,3}; rank 3 sleeps in a data loader):
 from __future__ import annotations
 
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.detectors._roots import doing, primary_wait, rank_activity, since
+from frforensics.analyzer.detectors._roots import (
+    culprit_at,
+    doing,
+    primary_wait,
+    rank_activity,
+    since,
+)
 from frforensics.analyzer.detectors.missing_dump import stopped_finding, stopped_with_missing
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -69,6 +75,8 @@ def detect(ctx: Context) -> list[Finding]:
                 "direct_waiters": direct_ranks,
                 "culprits": {str(r): rank_activity(ctx, r) for r in culprits[:8]},
                 "chains": _chains(ctx, waiters[:8]),
+                "culprit_code": {str(r): at for r in culprits[:8]
+                                 if (at := culprit_at(ctx, r)) is not None},
             },
         ))
     return findings[: ctx.options.max_findings_per_kind]
