@@ -86,3 +86,15 @@ def test_speed_benchmark_smoke(tmp_path: Path) -> None:
          "--results", tmp_path / "results")
     table = next((tmp_path / "results").glob("bench-*.md")).read_text()
     assert "healthy-16" in table
+
+
+def test_straggler_whatif_smoke(tmp_path: Path) -> None:
+    # one delayed job and its baseline, 12 steps: the table prints, rank 1 is named
+    # from both sources and the what-if saving is a share (the numbers mean little
+    # at this size; docs/detectors.md has the full run)
+    out = _run(BENCH / "straggler_whatif.py", "--delays", "60", "--steps", "12",
+               "--noise-runs", "0", "--out", tmp_path / "wi.json")
+    assert "measured saving" in out
+    rows = json.loads((tmp_path / "wi.json").read_text())
+    assert [r["culprits"] for r in rows] == [[1], [1]], rows
+    assert all(0.0 < r["what_if_share"] < 1.0 for r in rows), rows

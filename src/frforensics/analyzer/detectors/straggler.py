@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -72,6 +72,7 @@ import numpy.typing as npt
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.digest import RankDigest
 from frforensics.analyzer.merge import RECV_HASH, SEND_HASH
+from frforensics.analyzer.replay import MAX_ROWS, replay_spans
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
 
@@ -697,6 +698,9 @@ class _Blame:
     #: (rare spikes, or too cheap): noise, named only in a note
     noise: I8
     min_cost: float
+    #: per rank position: the job's span replayed as recorded and without its delay
+    #: (``analyzer.replay``), in ns, where the cost came from the replay
+    spans: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def _floor(t: _Rows) -> float:
@@ -706,7 +710,7 @@ def _floor(t: _Rows) -> float:
 
 
 def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
-           min_cost: float = DEFAULT_MIN_COST) -> _Blame | None:
+           min_cost: float = DEFAULT_MIN_COST, *, replay: bool = True) -> _Blame | None:
     """The straggler rule on lateness ``a`` and excess think time ``excess()`` (module
     doc), for arrivals and GPU durations alike; ``None`` when no rank stands out
     at all (noise that stands out is in ``noise``, with ``flagged`` empty)."""
@@ -732,11 +736,35 @@ def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
         return None
     cost = np.full(n_ranks, np.nan)
     sustained: dict[int, str] = {}
+    spans: dict[int, tuple[float, float]] = {}
+    clock = _replay_clock(t) if replay and len(t.pos) <= MAX_ROWS else None
     for p in standing.tolist():
         cost[p], sustained[p] = _significance(t, a, e, blamed, p)
+        if clock is not None:
+            # what removing its delay would save (analyzer.replay), not the sum of
+            # its lateness: overlapped or absorbed delays cost the job nothing
+            removed = np.where(blamed & (t.pos == p), np.minimum(a, e).clip(min=0), 0.0)
+            before, after = replay_spans(t.pos, t.seg, *clock, np.nan_to_num(removed),
+                                             tolerance_ns=2.0 * _floor(t))
+            if before > 0:
+                spans[p] = (before, after)
+                cost[p] = max(0.0, (before - after) / before)
     keep = np.asarray([bool(sustained[p]) and cost[p] >= min_cost for p in standing.tolist()])
     return _Blame(e, threshold, blamed, (a > threshold) & ~blamed, count, total, standing[keep],
-                  cost, sustained, standing[~keep], min_cost)
+                  cost, sustained, standing[~keep], min_cost, spans)
+
+
+def _replay_clock(t: _Rows) -> tuple[F8, F8]:
+    """Enqueue and completion times on one clock, for the replay: each rank's clock
+    offset, estimated from completions (near-simultaneous on all members) where most
+    collectives have them, else from arrivals, subtracted."""
+    has_comp = t.seg_has_comp()
+    if has_comp.mean() > 0.5:
+        offset = _offsets(t, np.where(has_comp[t.seg], t.comp, np.nan))
+    else:
+        offset = _offsets(t, t.enq.copy())
+    shift = offset[t.pos]
+    return t.enq - shift, t.comp - shift
 
 
 def _significance(t: _Rows, a: F8, e: F8, blamed: BOOL, p: int) -> tuple[float, str]:
@@ -764,7 +792,10 @@ def _significance(t: _Rows, a: F8, e: F8, blamed: BOOL, p: int) -> tuple[float, 
         # since its first late one: a rank that turned slow within the window is
         # late on most of what followed; at least MIN_RECURRING times (a few
         # spikes among a few judged collectives are no evidence)
-        if len(late) >= MIN_RECURRING and len(late) >= MOST * (n_judged - int(late[0])):
+        # most of what followed, and what followed is at least half the window:
+        # a burst of spikes near the window's end is not a rank that turned slow
+        since = n_judged - int(late[0])
+        if len(late) >= MIN_RECURRING and len(late) >= MOST * since and 2 * since >= n_judged:
             return cost, "most"
         gaps = np.diff(late)
         if len(gaps) >= MIN_STRIDES:
@@ -798,7 +829,10 @@ def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
         t = _with_p2p(t)
         has_comp = t.seg_has_comp()
     a, think = _lateness_think(t, from_completions, has_comp, offset)
-    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), min_cost)
+    # NCCL: enqueue times are the CPU's and completions the watchdog's polls, no
+    # dependency graph to replay; there the cost is the lateness's share
+    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), min_cost,
+                   replay=not ctx.job.gpu_states)
     if from_completions:
         if blame is None:
             return [], []
@@ -863,7 +897,11 @@ def _same_clock(ctx: Context, t: _Rows, has_comp: BOOL, offset: F8) -> list[Find
     none."""
     zero = np.zeros(len(t.ranks))
     a, think = _lateness_think(t, False, has_comp, zero)
-    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), ctx.options.straggler_min_cost)
+    # no replay: a clock offset taken for lateness replays as a delay saved once, so
+    # the lateness's share stays the measure of this fallback (and two hosts off
+    # stay two candidates, naming none)
+    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), ctx.options.straggler_min_cost,
+                   replay=False)
     if blame is None or len(blame.flagged) == 0:
         return None
     keep = [p for p in blame.flagged.tolist()
@@ -934,7 +972,8 @@ def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
             basis="completion" if table.from_completions else "enqueue",
             clock_offsets_ms={str(r): v for r, v in offsets.items()},
             clock_alternative_ms=alternative,
-            cost=(float(blame.cost[p]), blame.sustained[p], blame.min_cost)))
+            cost=(float(blame.cost[p]), blame.sustained[p], blame.min_cost),
+            spans=blame.spans.get(p)))
     return findings[: ctx.options.max_findings_per_kind]
 
 
@@ -942,14 +981,19 @@ def _cost_txt(rank: int, blame: _Blame, p: int) -> str:
     """The significance sentence of a straggler's message."""
     how = ("late on most of the collectives it shares" if blame.sustained[p] == "most"
            else "late again and again at a regular stride, as at the same point of every step")
-    return (f"; rank {rank} costs the job ~{_pct(float(blame.cost[p]))} of its time ({how}; "
-            f"a straggler is named from {_pct(blame.min_cost)})")
+    spans = blame.spans.get(p)
+    what_if = "" if spans is None else (
+        f"; replayed without its delay the job's span would be {_ms(spans[1])} instead of "
+        f"{_ms(spans[0])}")
+    return (f"; rank {rank} costs the job ~{_pct(float(blame.cost[p]))} of its time ({how}"
+            f"{what_if}; a straggler is named from {_pct(blame.min_cost)})")
 
 
 def _finding(ctx: Context, rank: int, msg: str, gid: int, op: str | None, *, late_in: int,
              collectives: int, median: float, p95: float, lat: F8, exc: F8,
              by_group: Counter[int], threshold: float, others: list[int], basis: str,
              cost: tuple[float, str, float],
+             spans: tuple[float, float] | None = None,
              clock_offsets_ms: dict[str, Any] | None = None,
              clock_alternative_ms: float | None = None) -> Finding:
     """The straggler finding for ``rank`` (both bases: arrivals and GPU durations);
@@ -968,6 +1012,9 @@ def _finding(ctx: Context, rank: int, msg: str, gid: int, op: str | None, *, lat
         "threshold_ms": round(threshold / 1e6, 3),
         "basis": basis,
     }
+    if spans is not None:
+        evidence["what_if_span_ms"] = {"as_recorded": round(spans[0] / 1e6, 3),
+                                       "without_its_delay": round(spans[1] / 1e6, 3)}
     if clock_offsets_ms is not None:
         evidence["clock_offsets_ms"] = clock_offsets_ms
     if clock_alternative_ms is not None:
@@ -1024,7 +1071,8 @@ def _duration_lateness(t: _Rows) -> tuple[F8, F8]:
 def _detect_from_durations(ctx: Context, t: _Rows) -> tuple[list[Finding], list[str]]:
     """The straggler rule on NCCL dumps with GPU durations (module doc)."""
     a, e = _duration_lateness(t)
-    blame = _blame(t, a, lambda: e, float(FLOOR_NS), ctx.options.straggler_min_cost)
+    blame = _blame(t, a, lambda: e, float(FLOOR_NS), ctx.options.straggler_min_cost,
+                   replay=False)
     if blame is None:
         return [], []
     notes = _noise_notes(ctx, t, blame, a)

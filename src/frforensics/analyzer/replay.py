@@ -1,0 +1,134 @@
+"""What-if replay: the job's span with some of its ranks' delays removed (issue 29).
+
+A straggler costs the job what removing its delay would save, not the sum of its
+lateness: a rank late at a collective delays its peers only where they would
+otherwise not have waited for someone else, and a delay overlapped by another
+rank's is not saved at all. So the recorded dependency graph is replayed:
+
+* a collective completes when its last member arrives, plus its recorded service
+  time (recorded completion minus recorded last arrival, never below 0; without
+  completion times, as in PyTorch's gloo dumps, none);
+* a rank arrives at its next op its recorded gap after what released it: the
+  previous op's completion when it was issued after its own completion of it (a
+  blocking call), or the previous op's arrival when it was issued while that was in
+  flight (async ops, DDP's buckets);
+* the rank's first op in the window arrives when it was recorded.
+
+Replayed once as recorded (``removed`` all zero: the replay reproduces the
+recorded span, up to clock-offset error) and once with the suspect's excess think
+time removed at the collectives it is blamed for; the saving is the difference.
+Times are on one clock: the caller subtracts each rank's estimated clock offset.
+
+Worked example (2 ranks, 3 all_reduces, rank 1 thinks 50 ms longer before #2)::
+
+    as recorded: #1 done at 10, #2 at 70 (rank 1 arrives 60), #3 at 90   span 90 ms
+    rank 1's 50 ms removed: #2 done at 20, #3 at 40                      span 40 ms
+    -> saving 50 ms, 56 % of the span
+
+Rows are (rank, collective) pairs in rank order, record order within a rank, of
+collectives every member recorded (``straggler._Rows``); the replay starts when
+every rank's window has begun (each ring covers its own stretch of time) and the
+span runs from there. One Python step per row, so the caller bounds how many rows it
+replays (``MAX_ROWS``).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["MAX_ROWS", "replay_spans"]
+
+#: rows replayed at most (about 1 s of Python); above, the caller keeps its estimate
+MAX_ROWS: Final = 1_000_000
+
+F8 = npt.NDArray[np.float64]
+
+
+def replay_spans(pos: npt.NDArray[np.integer], seg: npt.NDArray[np.integer], enq: F8,
+                 comp: F8, removed: F8, *, tolerance_ns: float = 2e6) -> tuple[float, float]:
+    """The span as recorded and with ``removed`` (ns per row) taken off each row's
+    gap; ``(nan, nan)`` when nothing completed. ``tolerance_ns``: how much later than
+    the next enqueue a completion may be stamped and still have released it (the
+    completion times' resolution: a watcher stamps them after the call returned)."""
+    if len(seg) == 0:
+        return float("nan"), float("nan")
+    # from the time every rank's window has begun: each rank's ring covers its own
+    # stretch of time (a rank issuing more ops holds a shorter one), and before its
+    # first row a rank's arrivals are unknown
+    firsts = np.r_[True, pos[1:] != pos[:-1]]
+    common = float(enq[firsts].max())
+    inside = enq >= common
+    pos, seg, enq, comp, removed = pos[inside], seg[inside], enq[inside], comp[inside], \
+        removed[inside]
+    if len(seg) == 0:
+        return float("nan"), float("nan")
+    n_seg = int(seg.max()) + 1
+    last = np.full(n_seg, -np.inf)
+    np.maximum.at(last, seg, enq)
+    # no completion times (PyTorch's gloo dumps: enqueue times only): a collective
+    # is taken to complete at its last arrival
+    comp = np.where(np.isnan(comp), last[seg], comp)
+    done = np.full(n_seg, -np.inf)
+    np.maximum.at(done, seg, np.where(np.isnan(comp), -np.inf, comp))
+    finished = np.isfinite(done)
+    service = np.zeros(n_seg)
+    service[finished] = np.maximum(done[finished] - last[finished], 0.0)
+    # each row's predecessor on its rank, and whether it was issued after that
+    # predecessor completed (a blocking gap) or while it was in flight
+    prev = np.arange(len(seg)) - 1
+    first = np.r_[True, pos[1:] != pos[:-1]]
+    prev[first] = -1
+    j = np.maximum(prev, 0)
+    pdone = np.where(prev >= 0, done[seg[j]], np.nan)
+    penq = np.where(prev >= 0, enq[j], np.nan)
+    # issued after its own completion of the predecessor (its own clock: the
+    # collective's completion on another member may read a little later)
+    own = np.where(prev >= 0, comp[j], np.nan)
+    after = (prev >= 0) & np.isfinite(pdone) & ~np.isnan(own) & (enq >= own - tolerance_ns)
+    # the gap after a blocking predecessor counts from the collective's completion
+    # (slightly negative where this member's completion read earlier)
+    gap = np.where(after, enq - pdone, enq - penq)
+    order = np.argsort(enq, kind="stable")
+    start = common
+    base = _run(order, prev, after, gap, seg, enq, service, finished, n_seg, None)
+    what_if = _run(order, prev, after, gap, seg, enq, service, finished, n_seg, removed)
+    return base - start, what_if - start
+
+
+def _run(order: npt.NDArray[np.intp], prev: npt.NDArray[np.intp], after: npt.NDArray[np.bool_],
+         gap: F8, seg: npt.NDArray[np.integer], enq: F8, service: F8,
+         finished: npt.NDArray[np.bool_], n_seg: int, removed: F8 | None) -> float:
+    """One replay: rows in recorded arrival order; a collective's completion is set
+    once its last member has arrived (a predecessor not yet complete, from clock
+    error, keeps its recorded time)."""
+    arrive = np.array(enq, dtype=np.float64)
+    members = np.bincount(seg, minlength=n_seg)
+    arrived = np.zeros(n_seg, dtype=np.int64)
+    latest = np.full(n_seg, -np.inf)
+    complete = np.full(n_seg, np.nan)
+    end = -np.inf
+    prev_l, after_l, gap_l = prev.tolist(), after.tolist(), gap.tolist()
+    seg_l, enq_l = seg.tolist(), enq.tolist()
+    cut = [0.0] * len(seg_l) if removed is None else removed.tolist()
+    for i in order.tolist():
+        j = prev_l[i]
+        if j < 0:
+            t = enq_l[i]
+        elif after_l[i]:
+            c = complete[seg_l[j]]
+            t = (c if c == c else enq_l[i] - gap_l[i]) + gap_l[i] - cut[i]
+        else:
+            t = arrive[j] + gap_l[i] - cut[i]
+        if j >= 0:
+            t = max(t, arrive[j])  # a rank never issues its ops out of order
+        arrive[i] = t
+        s = seg_l[i]
+        latest[s] = max(latest[s], t)
+        arrived[s] += 1
+        if arrived[s] == members[s] and finished[s]:
+            complete[s] = latest[s] + service[s]
+            end = max(end, complete[s])
+    return float(end) if end > -np.inf else float(np.nanmax(arrive))
