@@ -55,6 +55,10 @@ def replay_spans(pos: npt.NDArray[np.integer], seg: npt.NDArray[np.integer], enq
     completion times' resolution: a watcher stamps them after the call returned)."""
     if len(seg) == 0:
         return float("nan"), float("nan")
+    # rank after rank, in enqueue order within a rank (p2p pairs may be appended)
+    by_rank = np.lexsort((enq, pos))
+    pos, seg, enq, comp, removed = pos[by_rank], seg[by_rank], enq[by_rank], comp[by_rank], \
+        removed[by_rank]
     # from the time every rank's window has begun: each rank's ring covers its own
     # stretch of time (a rank issuing more ops holds a shorter one), and before its
     # first row a rank's arrivals are unknown

@@ -597,7 +597,10 @@ def _with_p2p(t: _Rows) -> _Rows:
 def _offsets(t: _Rows, base: F8) -> F8:
     """Per-rank clock offsets: each rank's median residual against its collectives' median."""
     n_ranks = len(t.ranks)
-    by_pos = _Layout.contiguous(t.pos, n_ranks)  # rows are in rank order
+    if len(t.pos) < 2 or bool(np.all(t.pos[1:] >= t.pos[:-1])):
+        by_pos = _Layout.contiguous(t.pos, n_ranks)  # rows are in rank order
+    else:  # p2p pairs appended (``_with_p2p``)
+        by_pos = _Layout.sorted_by(t.pos.astype(np.int64), n_ranks)
     offset = np.zeros(n_ranks)
     for _ in range(3):  # a few rounds: groups overlap, so offsets settle across the job
         shifted = base - offset[t.pos]
