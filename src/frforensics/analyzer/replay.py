@@ -105,34 +105,94 @@ def replay_spans(pos: npt.NDArray[np.integer], seg: npt.NDArray[np.integer], enq
 def _run(order: npt.NDArray[np.intp], prev: npt.NDArray[np.intp], after: npt.NDArray[np.bool_],
          gap: F8, seg: npt.NDArray[np.integer], enq: F8, service: F8,
          finished: npt.NDArray[np.bool_], n_seg: int, removed: F8 | None) -> float:
-    """One replay: rows in recorded arrival order; a collective's completion is set
-    once its last member has arrived (a predecessor not yet complete, from clock
-    error, keeps its recorded time)."""
-    arrive = np.array(enq, dtype=np.float64)
-    members = np.bincount(seg, minlength=n_seg)
-    arrived = np.zeros(n_seg, dtype=np.int64)
-    latest = np.full(n_seg, -np.inf)
-    complete = np.full(n_seg, np.nan)
-    end = -np.inf
-    prev_l, after_l, gap_l = prev.tolist(), after.tolist(), gap.tolist()
-    seg_l, enq_l = seg.tolist(), enq.tolist()
-    cut = [0.0] * len(seg_l) if removed is None else removed.tolist()
-    for i in order.tolist():
-        j = prev_l[i]
+    """One replay (:class:`_Replay`); the end of the last completed collective."""
+    return _Replay(prev, after, gap, seg, enq, service, finished, n_seg, removed).run(order)
+
+
+class _Replay:
+    """One replay, in dependency order (Kahn's algorithm): a row is placed once its
+    rank's previous row is, and, after a blocking predecessor, once that
+    predecessor's collective has completed; a collective completes once its last
+    member is placed. Rows left over (a dependency the recorded times contradict,
+    from clock error) are placed in recorded arrival order against the recorded
+    completions."""
+
+    def __init__(self, prev: npt.NDArray[np.intp], after: npt.NDArray[np.bool_], gap: F8,
+                 seg: npt.NDArray[np.integer], enq: F8, service: F8,
+                 finished: npt.NDArray[np.bool_], n_seg: int, removed: F8 | None) -> None:
+        n = len(seg)
+        self.prev: list[int] = prev.tolist()
+        self.after: list[bool] = after.tolist()
+        self.gap: list[float] = gap.tolist()
+        self.seg: list[int] = seg.tolist()
+        self.enq: list[float] = enq.tolist()
+        self.cut: list[float] = [0.0] * n if removed is None else removed.tolist()
+        self.members = np.bincount(seg, minlength=n_seg).tolist()
+        self.service, self.finished = service.tolist(), finished.tolist()
+        self.arrive: list[float | None] = [None] * n
+        self.arrived = [0] * n_seg
+        self.latest = [-np.inf] * n_seg
+        self.complete: list[float | None] = [None] * n_seg
+        self.succ = [-1] * n  # the next row of the same rank
+        self.waiting: list[list[int]] = [[] for _ in range(n_seg)]  # blocked on a collective
+        self.pending = [0] * n
+        for i, j in enumerate(self.prev):
+            if j >= 0:
+                self.succ[j] = i
+                self.pending[i] += 1
+                if self.after[i]:
+                    self.pending[i] += 1
+                    self.waiting[self.seg[j]].append(i)
+        self.end = -np.inf
+
+    def run(self, order: npt.NDArray[np.intp]) -> float:
+        self._drain([i for i, p in enumerate(self.pending) if p == 0])
+        for i in order.tolist():  # what the dependency order could not reach
+            if self.arrive[i] is None:
+                self._drain([i])
+        if self.end > -np.inf:
+            return float(self.end)
+        placed = [a for a in self.arrive if a is not None]
+        return float(max(placed)) if placed else float("nan")
+
+    def _drain(self, ready: list[int]) -> None:
+        while ready:
+            i = ready.pop()
+            if self.arrive[i] is None:
+                ready.extend(self._place(i, self._time_of(i)))
+
+    def _time_of(self, i: int) -> float:
+        j = self.prev[i]
         if j < 0:
-            t = enq_l[i]
-        elif after_l[i]:
-            c = complete[seg_l[j]]
-            t = (c if c == c else enq_l[i] - gap_l[i]) + gap_l[i] - cut[i]
+            return self.enq[i]
+        pj = self.arrive[j]
+        pj = self.enq[j] if pj is None else pj
+        if self.after[i]:
+            c = self.complete[self.seg[j]]
+            base = (self.enq[i] - self.gap[i]) if c is None else c  # else: as recorded
+            t = base + self.gap[i] - self.cut[i]
         else:
-            t = arrive[j] + gap_l[i] - cut[i]
-        if j >= 0:
-            t = max(t, arrive[j])  # a rank never issues its ops out of order
-        arrive[i] = t
-        s = seg_l[i]
-        latest[s] = max(latest[s], t)
-        arrived[s] += 1
-        if arrived[s] == members[s] and finished[s]:
-            complete[s] = latest[s] + service[s]
-            end = max(end, complete[s])
-    return float(end) if end > -np.inf else float(np.nanmax(arrive))
+            t = pj + self.gap[i] - self.cut[i]
+        return max(t, pj)  # a rank never issues its ops out of order
+
+    def _place(self, i: int, t: float) -> list[int]:
+        self.arrive[i] = t
+        freed = []
+        k = self.succ[i]
+        if k >= 0:
+            self.pending[k] -= 1
+            if self.pending[k] == 0:
+                freed.append(k)
+        s = self.seg[i]
+        self.latest[s] = max(self.latest[s], t)
+        self.arrived[s] += 1
+        if self.arrived[s] == self.members[s]:
+            done = self.latest[s] + self.service[s]
+            self.complete[s] = done
+            if self.finished[s]:
+                self.end = max(self.end, done)
+            for k in self.waiting[s]:
+                self.pending[k] -= 1
+                if self.pending[k] == 0:
+                    freed.append(k)
+        return freed
