@@ -24,7 +24,7 @@ from frforensics.analyzer.detectors._roots import (
     rank_activity,
     since,
 )
-from frforensics.analyzer.detectors.missing_dump import stopped_finding, stopped_with_missing
+from frforensics.analyzer.detectors._stopped import stopped_finding, stopped_with_missing
 from frforensics.report import Finding, FindingKind, Severity
 
 
