@@ -398,14 +398,35 @@ def _join_threads_at_exit(sess: Session | None) -> None:
     with contextlib.suppress(Exception):
         if sess.live is not None:
             sess.live.stop()
-            sess.live.join(timeout=2.0)
+            sess.live.join(timeout=_EXIT_JOIN_S)
     with contextlib.suppress(Exception):
         if sess.verdict is not None:
             sess.verdict.stop()
-            sess.verdict.join(timeout=2.0)
+            sess.verdict.join(timeout=_EXIT_JOIN_S)
     with contextlib.suppress(Exception):
         if sess.watchdog is not None:
-            sess.watchdog.shutdown(join_timeout_s=2.0)
+            sess.watchdog.shutdown(join_timeout_s=_EXIT_JOIN_S)
+    _join_named_threads(_EXIT_JOIN_S)
+
+
+#: How long the exit hook waits for each of the session's threads (a loaded host
+#: can hold a thread in a store call past 2 s: CI saw a survivor abort at exit)
+_EXIT_JOIN_S = 5.0
+
+
+def _join_named_threads(budget_s: float) -> None:
+    """Join, within ``budget_s`` in all, every other live ``frforensics-*`` thread
+    (a hook's bounded runner, recovery's reconfigure waiter): the same SIGABRT waits
+    for any of them still inside a pybind11 call at finalization. The recorder's
+    exit hook runs after recovery's (atexit is last in, first out), so it sees what
+    recovery's left."""
+    with contextlib.suppress(Exception):
+        until = time.monotonic() + budget_s
+        me = threading.current_thread()
+        for t in threading.enumerate():
+            if t is me or not t.name.startswith("frforensics") or not t.is_alive():
+                continue
+            t.join(timeout=max(0.0, until - time.monotonic()))
 
 
 def _autoenable() -> None:
