@@ -107,6 +107,9 @@ MOST: Final = 0.5
 #: ``MIN_RECURRING`` times either way.
 MOST_REGULAR: Final = 0.75
 MIN_STRIDES: Final = 6
+#: a regular stride is looked for among late collectives 1 to this many apart
+#: (that many late ones in every step)
+MAX_LATE_PER_STEP: Final = 3
 MIN_RECURRING: Final = 5
 
 F8 = npt.NDArray[np.float64]
@@ -800,12 +803,26 @@ def _significance(t: _Rows, a: F8, e: F8, blamed: BOOL, p: int) -> tuple[float, 
         since = n_judged - int(late[0])
         if len(late) >= MIN_RECURRING and len(late) >= MOST * since and 2 * since >= n_judged:
             return cost, "most"
-        gaps = np.diff(late)
-        if len(gaps) >= MIN_STRIDES:
-            d = float(np.median(gaps))
-            if d >= 2 and np.mean(np.abs(gaps - d) <= max(1.0, d / 8)) >= MOST_REGULAR:
-                how = "recurring"
+        if _recurs(late):
+            how = "recurring"
     return cost, how
+
+
+def _recurs(late: IX) -> bool:
+    """Whether late collectives (indices among a group's judged ones) recur at a
+    regular stride: the gaps ``late[i + m] - late[i]`` at some lag ``m`` of 1 to
+    ``MAX_LATE_PER_STEP`` are, for ``MOST_REGULAR`` of at least ``MIN_STRIDES`` of
+    them, within 12.5 % of their median of 2 or more. Lag 1 is one late collective
+    per step; lag m, m late ones per step (a transformers Trainer step: late at its
+    first two collectives, gaps 1, 3, 1, 3, ...; at lag 2 every gap is 4)."""
+    for m in range(1, MAX_LATE_PER_STEP + 1):
+        gaps = late[m:] - late[:-m]
+        if len(gaps) < MIN_STRIDES:
+            break
+        d = float(np.median(gaps))
+        if d >= 2 and np.mean(np.abs(gaps - d) <= max(1.0, d / 8)) >= MOST_REGULAR:
+            return True
+    return False
 
 
 def detect(ctx: Context) -> list[Finding]:
