@@ -259,6 +259,11 @@ ENTRY_COLUMNS: Final[dict[str, str]] = {
     # NCCL with timing on, computed when the watchdog retires the entry), in ns;
     # -1 (``NO_INDEX``) = unknown
     "duration_ns": "<i8",
+    # string index: the elements this rank sends each member of the group and
+    # expects from each, in the group's member order, as "s0,s1,..|r0,r1,.."
+    # (all_to_all and all_to_all_single; our recorder only; NO_INDEX: not recorded,
+    # and files before it have no such column)
+    "splits": "<i4",
 }
 
 COLUMN_DEFAULTS: Final[dict[str, int]] = {
@@ -303,6 +308,7 @@ class EntryTable:
     stream: I8
     stack: I4
     duration_ns: I8
+    splits: I4
 
     def __len__(self) -> int:
         return int(self.record_id.shape[0])

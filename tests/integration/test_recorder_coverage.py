@@ -35,6 +35,13 @@ rs2 = torch.zeros(4); dist.reduce_scatter(rs2, [torch.ones(4) for _ in range(ws)
 results["reduce_scatter"] = rs2.tolist()
 a2a = torch.zeros(ws); dist.all_to_all_single(a2a, torch.full((ws,), float(rank)))
 results["all_to_all_single"] = a2a.tolist()
+# uneven (MoE dispatch): rank r sends r+1 elements to every peer
+a2v = torch.zeros(sum(i + 1 for i in range(ws)))
+dist.all_to_all_single(a2v, torch.full((ws * (rank + 1),), float(rank)),
+                       output_split_sizes=[i + 1 for i in range(ws)],
+                       input_split_sizes=[rank + 1] * ws)
+a2l = [torch.zeros(2) for _ in range(ws)]
+dist.all_to_all(a2l, [torch.full((2,), float(rank)) for _ in range(ws)])
 g_out = [torch.zeros(4) for _ in range(ws)] if rank == 0 else None
 dist.gather(t, g_out, dst=0)
 sc = torch.zeros(4)
@@ -152,6 +159,12 @@ def test_every_api_is_recorded_with_pytorch_seq_semantics_and_results_unchanged(
                    "scatter", "barrier", "send", "recv", "all_reduce_coalesced",
                    "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"):
             assert op in ops, (r, op, sorted(set(ops)))
+        # all_to_all split sizes (issue 29): elements sent to each member | expected from each
+        splits = [trace.string(int(e.splits[i])) for i in range(len(e))
+                  if ops[i] in ("all_to_all_single", "all_to_all")]
+        assert splits == [",".join(["1"] * ws) + "|" + ",".join(["1"] * ws),
+                          ",".join([str(r + 1)] * ws) + "|" + ",".join(str(i + 1) for i in range(ws)),
+                          ",".join(["2"] * ws) + "|" + ",".join(["2"] * ws)], (r, splits)
         # DDP's reducer (from C++), DTensor and FSDP2 issue ops attributed to the user's line.
         worker = (job.dump_dir.parent / "worker.py").read_text().splitlines()
         for marker, want in (("loss.backward()", "all_reduce"),

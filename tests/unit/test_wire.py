@@ -134,6 +134,8 @@ def _other_value(name: str, annotation: str, value: Any, n: int) -> Any:
         alias = next((a for a in _ARRAY_ALIASES if a in annotation), None)
         if alias is not None:
             return np.arange(n, dtype=_ARRAY_ALIASES[alias])[::-1].copy()
+        if name == "splits":  # rows to (sent, expected) element counts
+            return {0: ((1, 2), (2, 1)), n - 1: ((0, 5), (5, 0))}
         if "int" in annotation:
             return 42
         if "str" in annotation:
@@ -173,7 +175,7 @@ def test_every_field_of_a_digest_travels(hang_digests: dict[str, list[RankDigest
         batch = [hang_digests["frdump"][0], d, hang_digests["native"][1]]
         for a, b in zip(batch, wire.decode_batch(wire.encode_batch(batch)), strict=True):
             assert_same_digest(a, b)
-    assert {"unit", "gpu_states", "seq", "t_enqueue_ns", "dump_time_ns", "host", "format",
+    assert {"unit", "gpu_states", "splits", "seq", "t_enqueue_ns", "dump_time_ns", "host", "format",
             "dump_reason", "job_id", "dump_monotonic_ns"} <= set(changed)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from frforensics.analyzer.merge import JobModel
 from frforensics.analyzer.signatures import Mismatch, find_mismatches
+from frforensics.analyzer.splits import find_split_mismatches
 from frforensics.analyzer.waits import Wait, WaitGraph
 from frforensics.report import TIMELINE_RANKS, GroupRef, format_ranks
 
@@ -53,6 +54,13 @@ class Context:
     def build(cls, job: JobModel, graph: WaitGraph, options: AnalyzeOptions) -> Context:
         """The context with its shared passes computed."""
         mismatches = find_mismatches(job)
+        # a group's split mismatch counts only before its first other one (after a
+        # desync, later collectives pair up the wrong calls)
+        first: dict[int, int] = {}
+        for m in mismatches:
+            first[m.gid] = min(first.get(m.gid, m.seq), m.seq)
+        mismatches += tuple(m for m in find_split_mismatches(job)
+                            if m.seq < first.get(m.gid, m.seq + 1))
         return cls(job, graph, options, mismatches, frozenset((m.gid, m.seq) for m in mismatches))
 
     def pg(self, gid: int) -> GroupRef:

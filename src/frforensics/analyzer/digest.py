@@ -202,6 +202,10 @@ class RankDigest(HeaderFields):
     #: the window starts at a whole unit: the rows were cut by ``windowed``, which
     #: never splits a coalesced block (a ring's own eviction may)
     whole_oldest: bool = False
+    #: row -> (elements sent to each member, expected from each), in the group's
+    #: member order, for the all_to_all entries whose dump recorded them (our
+    #: recorder's ``splits`` column); ``None``: none did
+    splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
 
     @property
     def format(self) -> str:
@@ -612,8 +616,46 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         unit=unit,
         gpu_states=gpu_states,
         duration_ns=duration,
+        splits=_splits(trace),
     )
     return out if window is None else windowed(out, window, e.record_id)
+
+
+#: the most members a recorded split list may name (a longer one is not read)
+_MAX_SPLIT_MEMBERS: Final = 1 << 17
+
+
+def _splits(trace: RankTrace) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """The ``splits`` column parsed (``model.ENTRY_COLUMNS``), text from an untrusted
+    dump: a list that is not two comma-separated runs of non-negative integers of one
+    length, at most ``_MAX_SPLIT_MEMBERS``, is left out."""
+    col = trace.entries.splits
+    rows = np.flatnonzero(col >= 0)
+    if not len(rows):
+        return None
+    parsed: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+    out: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for row, index in zip(rows.tolist(), col[rows].tolist(), strict=True):
+        if index not in parsed:
+            parsed[index] = _parse_splits(trace.string(index))
+        value = parsed[index]
+        if value is not None:
+            out[row] = value
+    return out or None
+
+
+def _parse_splits(text: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    send, sep, recv = text.partition("|")
+    if not sep or len(text) > 24 * _MAX_SPLIT_MEMBERS:
+        return None
+    try:
+        a = tuple(int(x) for x in send.split(","))
+        b = tuple(int(x) for x in recv.split(","))
+    except ValueError:
+        return None
+    if len(a) != len(b) or not a or min(a) < 0 or min(b) < 0:
+        return None
+    return a, b
 
 
 def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDigest:
@@ -650,6 +692,8 @@ def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDig
         cut["unit"] = np.ascontiguousarray(d.unit[start:] - start)
     cut["details"] = {row - start: det._replace(row=row - start)
                       for row, det in d.details.items() if row >= start}
+    if d.splits is not None:
+        cut["splits"] = {row - start: v for row, v in d.splits.items() if row >= start} or None
     first = (int(record_id[start]) if record_id is not None and len(record_id) == n
              else d.first_record_id + start)
     return replace(d, header=replace(d.header, dropped=d.dropped + start),

@@ -16,7 +16,7 @@ cut by ``--window`` (``whole_oldest``: that cut never splits a block).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +24,7 @@ import numpy.typing as npt
 from frforensics.analyzer.digest import CLOSING_OPS, DTYPE_UNCHECKED
 from frforensics.analyzer.merge import CollectiveRows, JobModel, collective_rows
 
-Field = Literal["op", "dtype", "size"]
+Field = Literal["op", "dtype", "size", "splits"]
 
 __all__ = ["Field", "Mismatch", "find_mismatches", "units"]
 
@@ -39,6 +39,11 @@ class Mismatch:
     values: dict[int, str]  # rank -> what it used (op name, dtype, numel)
     later: int  # how many later seqs of the group also mismatch on this field
     raw: dict[int, int]  # rank -> the compared value (hash or numel)
+    #: field "splits" (``analyzer.splits``): the culprits the pairwise rule chose, the
+    #: disagreeing pairs (``SplitPair``) and why those ranks
+    culprits: tuple[int, ...] | None = None
+    pairs: tuple[Any, ...] = ()
+    reason: str = ""
 
 
 def units(job: JobModel, rank: int, gid: int) -> tuple[npt.NDArray[np.int64], ...] | None:

@@ -958,3 +958,18 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
             if not ok:
                 raise _bad(r, f"entry detail field {name} of row {row} is not a valid "
                               f"{type(value).__name__}")
+    if d.splits is not None:
+        _check_splits(d.splits, r, n, limits)
+
+
+def _check_splits(splits: Any, r: int, n: int, limits: Limits) -> None:
+    """``RankDigest.splits``: rows 0..n-1 to two equally long runs of element counts."""
+    if type(splits) is not dict or len(splits) > n:
+        raise _bad(r, "more all_to_all splits than entries")
+    for row, value in splits.items():
+        ok = (type(row) is int and 0 <= row < n and type(value) is tuple and len(value) == 2
+              and all(type(side) is tuple and 0 < len(side) <= limits.max_rank
+                      and all(_int64(x) and x >= 0 for x in side) for side in value)
+              and len(value[0]) == len(value[1]))
+        if not ok:
+            raise _bad(r, f"all_to_all splits of row {row!r:.40} are not two runs of counts")

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -133,7 +133,7 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         "record_id", "pg", "seq", "p2p_seq", "peer_seq", "op", "is_p2p", "peer", "root",
         "coalesced", "in_numel", "out_numel", "in_shapes", "out_shapes", "in_dtypes",
         "out_dtypes", "reduce_op", "state", "t_enqueue_ns", "t_start_ns", "t_complete_ns",
-        "timeout_ms", "thread", "device", "stream", "stack")}
+        "timeout_ms", "thread", "device", "stream", "stack", "splits")}
     for i, e in enumerate(entries):
         cols["record_id"][i] = e[R.RECORD_ID]
         cols["pg"][i] = e[R.GROUP]
@@ -162,6 +162,7 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         cols["device"][i] = strings.add(dev) if dev else -1
         cols["stream"][i] = e[R.STREAM]
         cols["stack"][i] = stack_of(e[R.STACK])
+        cols["splits"][i] = _splits_of(e, rec, strings)
     table = EntryTable.from_columns(n, {k: np.asarray(v) for k, v in cols.items()})
 
     threads = []
@@ -343,3 +344,53 @@ class DumpWriter:
                 write_atomic(path, data, mode=0o600, make_parents=True, durable=True)
         except Exception as exc:
             rec.note_error("native dump", exc)
+
+
+_ALL_TO_ALL: Final = frozenset({"all_to_all", "all_to_all_single"})
+
+
+def _splits_of(e: list[Any], rec: Any, strings: Any) -> int:
+    """The ``splits`` column of one entry (``model.ENTRY_COLUMNS``): the elements it
+    sends each member and expects from each, ``"s0,s1,..|r0,r1,.."``; -1 for any op but
+    all_to_all(_single), and where the sizes cannot be told (a group of unknown size,
+    dims that do not divide)."""
+    op = e[R.OP]
+    if op not in _ALL_TO_ALL:
+        return -1
+    send: list[int] | None
+    recv: list[int] | None
+    try:
+        if op == "all_to_all":  # one tensor per member each way: their sizes are the splits
+            send = [_numel(shape) for shape, _ in e[R.INPUTS]]
+            recv = [_numel(shape) for shape, _ in e[R.OUTPUTS]]
+        else:
+            size = len(rec.groups[e[R.GROUP]].ranks or ())
+            given = e[R.SPLITS] if len(e) > R.SPLITS else ((), ())
+            send = _split_elems(e[R.INPUTS][0][0], given[0], size)
+            recv = _split_elems(e[R.OUTPUTS][0][0], given[1], size)
+        if send is None or recv is None:
+            return -1
+        return int(strings.add(",".join(map(str, send)) + "|" + ",".join(map(str, recv))))
+    except Exception:  # a dump never fails on one odd entry
+        return -1
+
+
+def _numel(shape: Any) -> int:
+    k = 1
+    for d in shape:
+        k *= int(d)
+    return k
+
+
+def _split_elems(shape: Any, splits: Any, size: int) -> list[int] | None:
+    """Elements per member of one side of an all_to_all_single: ``splits`` rows of dim
+    0 (empty: an even split over ``size`` members, as c10d does), times a row's size."""
+    dims = [int(d) for d in shape]
+    if not dims:
+        return None
+    row = _numel(dims[1:])
+    if splits:
+        return [int(k) * row for k in splits]
+    if size <= 0 or dims[0] % size:
+        return None
+    return [dims[0] // size * row] * size

@@ -440,6 +440,12 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
         opts = opts if opts is not None else dist.AllToAllOptions()
         entry = self._frf_record("all_to_all_single", ((input.shape, input.dtype),),
                                  ((output.shape, output.dtype),), None, -1, -1, False, input)
+        if entry is not None and (input_split_sizes or output_split_sizes):
+            # uneven: what this rank sends each member and expects from each (rows of
+            # dim 0; issue 29), checked pairwise by the analyzer. Copies: the caller
+            # may reuse its lists
+            with contextlib.suppress(Exception):
+                entry.append((tuple(input_split_sizes or ()), tuple(output_split_sizes or ())))
         inner = self._frf_inner(input).alltoall_base(output, input, output_split_sizes,
                                                      input_split_sizes, opts)
         return self._frf_track(entry, inner, False)

@@ -41,6 +41,9 @@ STREAM: Final = 20  # CUDA stream handle or -1
 STACK: Final = 21  # flat list [code, lasti, code, lasti, ...], innermost first
 START_EVENT: Final = 22  # torch.cuda.Event or None
 N_SLOTS: Final = 23
+#: an optional trailing slot, appended only to ``all_to_all_single`` entries (no other
+#: op pays for it): (input_split_sizes, output_split_sizes) as the caller passed them
+SPLITS: Final = 23
 
 SCHEDULED: Final = 0
 STARTED: Final = 1

@@ -33,7 +33,7 @@ OTHER_FRAMES: Final = 12
 MAX_INFLATED: Final = 32 << 20
 
 _STRING_COLUMNS: Final = ("op", "in_shapes", "out_shapes", "in_dtypes", "out_dtypes",
-                          "reduce_op", "thread", "device")
+                          "reduce_op", "thread", "device", "splits")
 
 
 def tail_trace(trace: RankTrace, *, per_group: int = PER_GROUP) -> RankTrace:

@@ -34,12 +34,55 @@ from frforensics.analyzer.digest import (
 from frforensics.analyzer.signatures import Field, Mismatch, units
 from frforensics.report import Finding, FindingKind, Severity
 
-__all__ = ["mismatch_finding", "mismatches_of"]
+__all__ = ["mismatch_finding", "mismatches_of", "split_finding"]
 
 
 def mismatches_of(ctx: Context, field: Field) -> list[Mismatch]:
     """The signature pass's mismatches on ``field``."""
     return [m for m in ctx.mismatches if m.field == field]
+
+
+def split_finding(ctx: Context, m: Mismatch) -> Finding:
+    """A split mismatch (``analyzer.splits``) as a ``size_mismatch`` finding: the
+    pairwise rule's culprits, every disagreeing pair in the text and evidence."""
+    culprits = list(m.culprits or ())
+    waiting = sorted(r for r in m.values if r not in culprits)
+    shown = sorted(m.pairs, key=lambda p: (p.sender not in culprits and p.receiver
+                                            not in culprits, p.sender, p.receiver))[:8]
+    pieces = [f"rank {p.sender} sends rank {p.receiver} {p.sent} element(s), rank "
+              f"{p.receiver} expects {p.expected}" for p in shown]
+    if len(m.pairs) > len(shown):
+        pieces.append(f"{len(m.pairs) - len(shown)} more pair(s)")
+    details = {r: _detail_at(ctx, r, m.gid, m.seq) for r in m.values}
+    op = next((det.op for det in details.values() if det is not None), "all_to_all")
+    location = next((det.location for r in culprits if (det := details.get(r)) is not None
+                     and det.location), None)
+    who = ("rank " if len(culprits) == 1 else "ranks ") + ctx.ranks(culprits)
+    msg = (f"{who}: the split sizes of {op} #{m.seq} on {ctx.pg_label(m.gid)} disagree "
+           f"pairwise ({m.reason}): " + "; ".join(pieces))
+    if m.later:
+        msg += f" ({m.later} later all_to_all(s) of the group disagree too)"
+    return Finding(
+        kind=FindingKind.SIZE_MISMATCH,
+        severity=Severity.ERROR,
+        message=msg,
+        culprit_ranks=tuple(culprits),
+        waiting_ranks=tuple(waiting),
+        pg=ctx.pg(m.gid),
+        seq=m.seq,
+        seq_kind="collective",
+        op=op,
+        location=location,
+        evidence={
+            "values": {str(r): v for r, v in sorted(m.values.items())},
+            "split_pairs": [{"sender": p.sender, "receiver": p.receiver, "sent": p.sent,
+                             "expected": p.expected} for p in m.pairs[:64]],
+            "split_rule": m.reason,
+            "later_mismatches": m.later,
+            "locations": {str(r): det.location for r, det in details.items()
+                          if det is not None and det.location},
+        },
+    )
 
 
 def _detail_at(ctx: Context, rank: int, gid: int, seq: int) -> EntryDetail | None:
