@@ -29,6 +29,13 @@ raise       the rank raises ``RuntimeError("bad batch")`` at the start of the st
 slow        the rank sleeps 40 ms before every step (every microbatch in the
             pipeline)
 stop_send   (pipeline) the stage stops sending activations from that step on
+stop        (frameworks) the rank takes a local early-stopping decision at the
+            step: its training loop ends, its peers' goes on
+none_return (Lightning) the rank's ``training_step`` returns None at the step:
+            Lightning's own error ("Skipping the training_step by returning None
+            in distributed training is not supported")
+splits      (moe) the rank dispatches with all_to_all split sizes that disagree
+            with the counts it announced to its peers
 =========== ===============================================================
 """
 
@@ -44,7 +51,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-FAULTS = ("none", "hang", "skip", "op", "size", "exit", "kill", "raise", "slow", "stop_send")
+FAULTS = ("none", "hang", "skip", "op", "size", "exit", "kill", "raise", "slow", "stop_send",
+          "stop", "none_return", "splits")
 SLOW_S = 0.04
 
 
@@ -57,8 +65,10 @@ def parse_args(description: str) -> argparse.Namespace:
     return p.parse_args()
 
 
-def setup() -> tuple[int, int]:
-    """Recorder on (when asked), default gloo group up; returns (rank, world size)."""
+def arm() -> int:
+    """The hard exit armed and the recorder on (when asked), before any process group
+    exists: the framework workloads call this and let the framework start gloo.
+    Returns this process's rank (torchrun's ``RANK``)."""
     hard = threading.Timer(float(os.environ.get("WL_HARD_EXIT_S", "120")), lambda: os._exit(99))
     hard.daemon = True
     hard.start()
@@ -70,6 +80,17 @@ def setup() -> tuple[int, int]:
             from frforensics.recorder.autoload import autoload
 
             autoload()
+    return int(os.environ.get("RANK", "0"))
+
+
+def pg_timeout() -> timedelta:
+    """The gloo timeout the runner asks for (``WL_PG_TIMEOUT_S``): hung jobs end."""
+    return timedelta(seconds=float(os.environ.get("WL_PG_TIMEOUT_S", "8")))
+
+
+def setup() -> tuple[int, int]:
+    """Recorder on (when asked), default gloo group up; returns (rank, world size)."""
+    arm()
     dist.init_process_group(
         "gloo", timeout=timedelta(seconds=float(os.environ.get("WL_PG_TIMEOUT_S", "8")))
     )

@@ -45,6 +45,8 @@ SRC = REPO / "src"
 
 COLLECTIVE_FAULTS = ("none", "hang", "skip", "op", "size", "exit", "kill", "raise", "slow")
 PIPELINE_FAULTS = ("none", "hang", "exit", "kill", "raise", "slow", "stop_send")
+FRAMEWORK_FAULTS = ("none", "hang", "exit", "kill", "raise", "slow", "stop")
+MOE_FAULTS = ("none", "splits", "hang", "kill")
 SOURCES = ("ours", "native")
 
 
@@ -63,13 +65,27 @@ WORKLOADS = (
     Workload("dp_tp", "dp_tp.py", 4, COLLECTIVE_FAULTS),
     Workload("pipeline", "pipeline.py", 4, PIPELINE_FAULTS),
     Workload("dp_tp8", "dp_tp.py", 8, ("none", "hang")),
+    Workload("moe", "moe.py", 4, MOE_FAULTS),
+    # jobs written with the frameworks people use (the `frameworks` extra)
+    Workload("lightning", "lightning_ddp.py", 4, (*FRAMEWORK_FAULTS, "none_return")),
+    Workload("hf_trainer", "hf_trainer.py", 4, FRAMEWORK_FAULTS),
+    Workload("accelerate", "accelerate_loop.py", 4, FRAMEWORK_FAULTS),
 )
+FRAMEWORKS = frozenset({"lightning", "hf_trainer", "accelerate"})
 BY_NAME = {w.name: w for w in WORKLOADS}
 
 #: The CI-sized core set (a few minutes on 2 cores): one of each kind of fault.
 CI_CASES = (
     ("ddp", "none"), ("ddp", "hang"), ("ddp", "raise"), ("ddp", "size"),
-    ("tp", "none"), ("fsdp2", "kill"), ("pipeline", "stop_send"),
+    ("tp", "none"), ("fsdp2", "kill"), ("pipeline", "stop_send"), ("moe", "splits"),
+)
+
+#: The framework stage's set (CI): each framework, a healthy run and faults that set off
+#: the framework's own error handling.
+FRAMEWORK_CI_CASES = (
+    ("lightning", "none"), ("lightning", "exit"), ("lightning", "none_return"),
+    ("hf_trainer", "raise"), ("hf_trainer", "stop"), ("accelerate", "kill"),
+    ("accelerate", "none"),
 )
 
 #: The action(s) a culprit may be given for each fault (docs/detectors.md, "What to
@@ -85,6 +101,9 @@ EXPECTED_ACTIONS: dict[str, frozenset[str]] = {
     "raise": frozenset({"fix_code"}),
     "slow": frozenset({"replace_gpu_or_host", "inspect"}),
     "stop_send": frozenset({"fix_code", "inspect"}),
+    "stop": frozenset({"fix_code", "inspect"}),
+    "none_return": frozenset({"fix_code"}),
+    "splits": frozenset({"fix_code"}),
 }
 
 #: PyTorch's own dumps record no death and no exception (docs/native-format.md): from
@@ -94,6 +113,7 @@ NATIVE_ACTIONS: dict[str, frozenset[str]] = {
     "raise": frozenset({"fix_code", "inspect"}),
     "kill": frozenset({"replace_gpu_or_host", "inspect"}),
     "exit": frozenset({"replace_gpu_or_host", "inspect"}),
+    "none_return": frozenset({"fix_code", "inspect"}),
 }
 
 #: (workload, fault, source) whose dumps hold no trace of the fault: PyTorch's gloo
@@ -121,8 +141,11 @@ def cases(subset: str) -> list[Case]:
     """The CI set, or every case ordered fault by fault (each fault on every workload)."""
     if subset == "ci":
         return [Case(w, f) for w, f in CI_CASES]
-    order = {f: i for i, f in enumerate(dict.fromkeys(COLLECTIVE_FAULTS + PIPELINE_FAULTS))}
-    every = [Case(w.name, f) for w in WORKLOADS for f in w.faults]
+    if subset == "frameworks-ci":
+        return [Case(w, f) for w, f in FRAMEWORK_CI_CASES]
+    order = {f: i for i, f in enumerate(dict.fromkeys(f for w in WORKLOADS for f in w.faults))}
+    every = [Case(w.name, f) for w in WORKLOADS for f in w.faults
+             if (subset == "frameworks") == (w.name in FRAMEWORKS) or subset == "all"]
     return sorted(every, key=lambda c: order[c.fault])
 
 
@@ -348,7 +371,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--torch-python", default=sys.executable,
                     help="the Python whose torch runs the jobs (default: this one)")
-    ap.add_argument("--subset", choices=("ci", "all"), default="ci")
+    ap.add_argument("--subset", choices=("ci", "all", "core", "frameworks", "frameworks-ci"),
+                    default="ci", help="ci: the core set; core: every case of PyTorch's own "
+                    "APIs; frameworks(-ci): Lightning, transformers, accelerate; all: both")
     ap.add_argument("--only", action="append", default=[],
                     help="WORKLOAD or WORKLOAD:FAULT (repeatable)")
     ap.add_argument("--out", type=Path, default=None, help="keep dumps and logs here")

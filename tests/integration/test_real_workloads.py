@@ -61,6 +61,16 @@ _SLOW_LOADED = ("rank 1 is ~40 ms late at each step's first collective; on the l
                 "robust sigma of every rank's excess think time, reached 46 ms; dp_tp-slow "
                 "ours on 2.13: blamed 11 times against 1, 4, 0, the bar is 12); right on the "
                 "other version (load-dependent: not strict)")
+_SPLITS_NATIVE = ("issue 29.5: PyTorch's recorder keeps an all_to_all's tensor shapes, not its "
+                  "split sizes: from its dumps rank 1 (its #22 retired, it never entered #23) "
+                  "and rank 2 (aborted by gloo, no dump) both stand outside #23 where ranks 0, "
+                  "3 wait, and both are named; where gloo aborted rank 1 too, nobody waits "
+                  "(no culprit). Our dumps carry the splits and name rank 1")
+_SPLITS_BOTH_DEAD = ("issue 29.5: when gloo aborts the culprit too (rank 1 receives more than it "
+                     "expects in the combine all_to_all, a race with rank 2's abort), neither "
+                     "rank whose splits disagree left a dump: the survivors' splits agree, and "
+                     "the two deaths, within 100 ms, are both named (inspect). Where rank 1 "
+                     "lives (tests/data/moe_splits), rank 1 alone is named. Load-dependent")
 _MEASURED = frozenset({"2.13"})
 _BOTH = frozenset({"2.13", "2.15"})
 #: Versions each core case was measured on (the rest: 2.13 only).
@@ -81,13 +91,16 @@ WRONG_TODAY: dict[tuple[str, str, str], tuple[str, frozenset[str]]] = {
     ("tp", "slow", "native"): (_SLOW_LOADED, _NOISY),
     ("ddp", "exit", "native"): (_KILL_NATIVE, _NOISY),
     ("fsdp2", "exit", "native"): (_KILL_NATIVE, _NOISY),
+    ("moe", "splits", "native"): (_SPLITS_NATIVE, _NOISY),
+    ("moe", "splits", "ours"): (_SPLITS_BOTH_DEAD, _NOISY),
+    ("moe", "kill", "native"): (_KILL_NATIVE, _NOISY),
 }
 
 
 def _params() -> list[Any]:
     ci = {(w, f) for w, f in corpus.CI_CASES}
     out = []
-    for case in corpus.cases("all"):
+    for case in corpus.cases("core"):
         for source in corpus.SOURCES:
             marks: list[Any] = [pytest.mark.slow]
             # the core set runs in both CI stages; the rest only when asked (-m corpus)
