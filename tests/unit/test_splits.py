@@ -128,3 +128,12 @@ def test_untrusted_split_text_that_is_not_two_runs_of_counts_is_left_out(text: s
 
 def test_split_text_reads_back() -> None:
     assert _parse_splits("16,24,64,24|56,24,56,24") == ((16, 24, 64, 24), (56, 24, 56, 24))
+
+
+def test_pytorchs_215_dumps_never_blame_the_ranks_that_stopped_with_the_aborted_one(
+        tmp_path: Path) -> None:
+    """Ranks 0 and 3 stopped in #22 with rank 2 (aborted, no dump); rank 1's #23 is
+    past their frontier: it cannot have run, so it does not prove #22 ran."""
+    report = _analyze(tmp_path, "native-2.15")
+    assert report.culprit_ranks == (2,), [f.message for f in report.findings]
+    assert report.findings[0].evidence.get("confidence") == "medium"
