@@ -72,4 +72,26 @@ def test_a_pipeline_job_with_p2p_rows_is_judged_without_error() -> None:
 
     data = Path(__file__).resolve().parents[1] / "data" / "native_workloads" / "pipeline-slow-ours"
     report = analyze(load_dumps([data], jobs=1), options=AnalyzeOptions(world_size=4))
-    assert not report.unreadable and report.culprit_ranks in ((), (1,))
+    assert not report.unreadable
+
+
+def test_a_pipeline_stage_slow_in_its_forward_is_named_from_its_sends_and_receives() -> None:
+    """Real dumps: stage 1 of a 4-stage 1F1B pipeline sleeps 40 ms in every
+    microbatch's forward (tests/data/native_workloads/README.md). It read HEALTHY:
+    a gloo send's completion (when the program waited on it) was taken as what
+    released the next op, and the replay's 60 ms tolerance made cycles (4 rows of 5
+    fell back to recorded times: 2 % saved). The job ran 10 steps in 1.82 s; the
+    same job without the delay in 0.19 s."""
+    from pathlib import Path
+
+    from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
+    from frforensics.report import FindingKind
+
+    data = Path(__file__).resolve().parents[1] / "data" / "native_workloads" / "pipeline-slow-ours"
+    report = analyze(load_dumps([data], jobs=1), options=AnalyzeOptions(world_size=4))
+    assert report.culprit_ranks == (1,)
+    [f] = [f for f in report.findings if f.kind is FindingKind.STRAGGLER]
+    assert f.evidence["sustained"] == "recurring"
+    span = f.evidence["what_if_span_ms"]
+    assert span["without_its_delay"] < 0.6 * span["as_recorded"]  # the delay is most of it
+

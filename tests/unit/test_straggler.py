@@ -249,3 +249,20 @@ def test_a_slow_pipeline_stage_is_named_from_its_sends_and_recvs() -> None:
     [f] = report.findings
     assert f.evidence["groups"][0]["desc"] == "PIPELINE_MODEL_PARALLEL_GROUP"
     assert f.evidence["excess_think_ms"] == pytest.approx(40.0, rel=0.2)
+
+
+def test_a_stride_of_several_late_collectives_per_step_is_recurring_but_spikes_are_not() -> None:
+    import numpy as np
+
+    from frforensics.analyzer.detectors.straggler import _recurs
+
+    # a 1F1B stage: late at 5 of every 17 ops (gaps 9, 3, 1, 3, 1: lag 5 is 17)
+    step = [0, 8, 11, 12, 15, 16]
+    late = np.array(sorted({17 * k + s for k in range(10) for s in step[1:]}))
+    assert _recurs(late)
+    # a transformers Trainer step: its first two collectives of 4
+    assert _recurs(np.array([4 * k + s for k in range(10) for s in (2, 3)]))
+    # spikes at random, 25 of 400: regular enough in lag-8 sums, at no points of a step
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        assert not _recurs(np.sort(rng.choice(400, size=25, replace=False)))
