@@ -847,7 +847,7 @@ def _recurs(late: IX) -> bool:
         # m late ones per step of d collectives: the late ones fall at m points of
         # the step (positions modulo d, give or take one), which scattered spikes
         # do not (their positions modulo d spread over the whole step)
-        if _at_points_of_step(late, int(round(d)), m) >= MOST_REGULAR:
+        if _at_points_of_step(late, round(d), m) >= MOST_REGULAR:
             return True
     return False
 
