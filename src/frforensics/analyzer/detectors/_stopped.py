@@ -82,21 +82,29 @@ def _absent_from(ctx: Context, gid: int, seq: int, missing: set[int]) -> tuple[i
     ranks = ctx.job.groups[gid].ranks
     members = ranks if isinstance(ranks, range) else set(ranks)
     absent = {m for m in missing if m in members}
-    # a member's ops past the group's lowest frontier were read as failed (they
-    # cannot have run: analyzer.frontiers), so going past there proves nothing
-    # (measured: torch 2.15, the MoE job's rank 1 entered all_to_all #23 while ranks
-    # 0 and 3 stopped in #22 with rank 2, which gloo had aborted)
-    limit = ctx.job.frontier_limit.get(gid)
-    past_ran = limit is None or limit > seq
     for m in ctx.job.dumped_members(gid):
         view = ctx.job.view(m, gid)
         if view is None or len(view.coll_rows) == 0:
             continue
-        if view.max_seq > seq and past_ran:
+        if view.max_seq > seq and _went_past(ctx, m, view.coll_rows, seq):
             return ()
         if view.max_seq < seq:
             absent.add(m)
     return tuple(sorted(absent))
+
+
+def _went_past(ctx: Context, rank: int, rows: np.ndarray, seq: int) -> bool:
+    """Whether ``rank`` holds an op of the group past ``seq`` that is not one the
+    frontier pass read as failed: ops retired beyond a fellow member's newest one
+    cannot have run (``analyzer.frontiers``), so they do not show that ``seq`` ran
+    (measured: torch 2.15, the MoE job's rank 1 retired all_to_all #23 while ranks 0
+    and 3 stopped in #22 with rank 2, which gloo had aborted); an op it waits in, or
+    one that completed, does."""
+    d = ctx.job.digests[rank]
+    later = rows[d.seq[rows] > seq]
+    if d.unit is not None:
+        later = d.unit[later]
+    return bool((d.state[later] != OpState.FAILED).any())
 
 
 def stopped_finding(ctx: Context, stopped: dict[int, tuple[int, int, tuple[int, ...]]],
