@@ -1,0 +1,129 @@
+"""Which findings are consequences of another: the one place the report's findings are
+settled after the rules ran (issue 29: "one module decides what is a consequence").
+
+Per rank, a failure is classified once, as its own or as following another's, by
+:mod:`frforensics.failures` and the crash cascade (``detectors/_cascade.py``), which
+the rules read; a rank lost to a desync is a consequence there too. What is left is
+between findings, and is decided here, in this order:
+
+1. :func:`explained_by_desync` — a hang in a group at or after a seq where its
+   members desynced is the desync's consequence (later collectives pair up the
+   wrong calls), not another culprit;
+2. :func:`hidden_p2p_roots` — a rank that may only be blocked in a send/recv the
+   dumps do not show (PyTorch's gloo recorder) is never named beside a certain
+   culprit, and alone it is a candidate, not a culprit;
+3. :func:`stragglers_beside_errors` — a straggler beside a hang or desync is a note:
+   around a fault the ranks' arrival times say more about the fault than a GPU.
+
+:func:`culprits_of` then reads the report's culprits off what is left: the error
+findings' culprits, in order, or the stragglers' when there is no error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from frforensics.analyzer.context import Context
+from frforensics.report import Finding, FindingKind, Severity
+
+__all__ = ["culprits_of", "explained_by_desync", "hidden_p2p_roots", "settle",
+           "stragglers_beside_errors"]
+
+
+def settle(ctx: Context, findings: list[Finding]) -> tuple[list[Finding], list[str]]:
+    """The findings less the consequences of others, and the notes they became."""
+    findings = explained_by_desync(findings)
+    findings = hidden_p2p_roots(ctx, findings)
+    return stragglers_beside_errors(findings)
+
+
+_DESYNC = {FindingKind.OP_MISMATCH, FindingKind.DTYPE_MISMATCH, FindingKind.SIZE_MISMATCH}
+_HANG_IN_GROUP = {FindingKind.MISSING_RANK, FindingKind.TIMEOUT, FindingKind.P2P_DEADLOCK}
+
+
+def explained_by_desync(findings: list[Finding]) -> list[Finding]:
+    """Drop hangs in a group at or after a seq where its members desynced.
+
+    Once members disagree at seq s, later collectives of the group pair up the
+    wrong calls, so ranks stop at different seqs: those stops are consequences
+    of the desync, not more culprits.
+    """
+    first: dict[tuple[str, Sequence[int] | None], int] = {}
+    for f in findings:
+        if f.kind in _DESYNC and f.pg is not None and f.seq is not None:
+            key = (f.pg.name, f.pg.ranks)
+            first[key] = min(first.get(key, f.seq), f.seq)
+    if not first:
+        return findings
+    kept = []
+    for f in findings:
+        if (f.kind in _HANG_IN_GROUP and f.pg is not None and f.seq is not None
+                and f.seq_kind == "collective"
+                and (f.pg.name, f.pg.ranks) in first and f.seq >= first[(f.pg.name, f.pg.ranks)]):
+            continue
+        kept.append(f)
+    return kept
+
+
+def hidden_p2p_roots(ctx: Context, findings: list[Finding]) -> list[Finding]:
+    """Never name a rank that may only be blocked in a send/recv the dumps do not show.
+
+    PyTorch's gloo recorder skips send/recv: a rank blocked in a pipeline recv
+    looks idle, exactly like a rank stuck in Python. A ``missing_rank`` culprit
+    that issued such unrecorded ops (``RankDigest.unrecorded_ops``) is therefore
+    uncertain. Where another error finding names certain culprits, the uncertain
+    ones are dropped (they are most likely that fault's waiters); otherwise they
+    stay, with no culprit named, their ranks listed as candidates.
+    """
+    def uncertain(f: Finding) -> bool:
+        return f.kind is FindingKind.MISSING_RANK and any(
+            ctx.job.digests[r].unrecorded_ops > 0 for r in f.culprit_ranks
+            if r in ctx.job.digests)
+
+    shaky = [f for f in findings if uncertain(f)]
+    if not shaky:
+        return findings
+    certain = [f for f in findings if f.severity is Severity.ERROR and not uncertain(f)
+               and f.culprit_ranks]
+    if certain:
+        return [f for f in findings if not uncertain(f)]
+    candidates = sorted({r for f in shaky for r in f.culprit_ranks})
+    lead = (f"no culprit named (gloo dumps do not record send/recv, and rank(s) "
+            f"{ctx.ranks(candidates)} issued some: each may be blocked in one, waiting for "
+            "another, so the dumps cannot tell which of them is the root; candidates in "
+            "evidence.candidates): ")
+    return [replace(f, culprit_ranks=(), message=lead + f.message,
+                    evidence={**{k: v for k, v in f.evidence.items() if k != "culprit_code"},
+                              "candidates": candidates, "hidden_p2p": True})
+            if uncertain(f) else f
+            for f in findings]
+
+
+def stragglers_beside_errors(findings: list[Finding]) -> tuple[list[Finding], list[str]]:
+    """A straggler beside a hang or desync is a note, not a culprit.
+
+    Around a hang or a desync the ranks stop at different points, run ahead or
+    wait out the failure, so their arrival times say more about the fault than
+    about a slow GPU: a rank that looks late there is not named beside the root
+    cause (issue 20: noisy ranks were added as second and third culprits beside
+    real mismatches). The straggler's text stays in the notes.
+    """
+    if not any(f.severity is Severity.ERROR for f in findings):
+        return findings, []
+    kept = [f for f in findings if f.kind is not FindingKind.STRAGGLER]
+    notes = [f"straggler not named beside the error finding(s) (arrival times around a hang "
+             f"or desync are distorted): {f.message}"
+             for f in findings if f.kind is FindingKind.STRAGGLER]
+    return kept, notes
+
+
+def culprits_of(findings: list[Finding]) -> tuple[int, ...]:
+    errors = [f for f in findings if f.severity is Severity.ERROR]
+    chosen = errors or [f for f in findings if f.kind is FindingKind.STRAGGLER]
+    out: list[int] = []
+    for finding in chosen:
+        for rank in finding.culprit_ranks:
+            if rank not in out:
+                out.append(rank)
+    return tuple(out)
