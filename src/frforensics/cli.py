@@ -121,6 +121,10 @@ def analyze(
     host_deadline: Annotated[float, typer.Option(
         "--host-deadline", min=1.0, help="With --dask: seconds a host may take; after that its "
         "unread dumps are load problems.")] = 600.0,
+    deadline: Annotated[float | None, typer.Option(
+        "--deadline", min=0.1, help="Read dumps for at most this many seconds, then give the "
+        "verdict of what was read: unread files are listed in the notes and their ranks are "
+        "never named culprits.")] = None,
     window: Annotated[int | None, typer.Option(
         "--window", min=0, help="Analyze each ring's newest N entries (from its earliest "
         "unfinished one if older; the rest count as evicted). 0: the whole ring. Default: the "
@@ -140,6 +144,8 @@ def analyze(
     paths = paths or []
     if dask is None and manifest is not None:
         raise UsageError("--manifest goes with --dask")
+    if dask is not None and deadline is not None:
+        raise UsageError("--deadline does not go with --dask (use --host-deadline)")
     if not paths and manifest is None:
         raise UsageError("no dumps given: pass files, directories or archives")
     if window is None:
@@ -159,7 +165,7 @@ def analyze(
     else:
         dumps = _with_progress(
             lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb,
-                                  window=cut),
+                                  window=cut, deadline_s=deadline),
             enabled=show_progress,
             what="decoding dumps",
         )

@@ -73,7 +73,7 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     findings: list[Finding] = []
     for detector in DETECTORS:
         findings.extend(detector(ctx))
-    findings, beside = settle(ctx, findings)
+    findings, beside = settle(ctx, findings, unread=dumps.unread_ranks)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
     notes = list(job.notes)
@@ -88,6 +88,11 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     if dumps.companions:
         notes.append(f"used frforensics' dump where PyTorch's own dump of the same rank lay "
                      f"beside it ({len(dumps.companions)} file(s))")
+    if dumps.unread:
+        shown = ", ".join(sorted(dumps.unread)[:8]) + (" ..." if len(dumps.unread) > 8 else "")
+        notes.append(f"partial verdict: {len(dumps.unread)} file(s) not read within the "
+                     f"{dumps.deadline_s:g} s deadline ({shown}); their ranks are not named "
+                     "culprits; analyze again without --deadline for the whole job")
     if dumps.skipped:
         notes.append(f"skipped {len(dumps.skipped)} file(s) that are not dumps")
     culprits = culprits_of(findings)

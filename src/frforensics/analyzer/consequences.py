@@ -13,7 +13,10 @@ between findings, and is decided here, in this order:
    dumps do not show (PyTorch's gloo recorder) is never named beside a certain
    culprit, and alone it is a candidate, not a culprit;
 3. :func:`stragglers_beside_errors` — a straggler beside a hang or desync is a note:
-   around a fault the ranks' arrival times say more about the fault than a GPU.
+   around a fault the ranks' arrival times say more about the fault than a GPU;
+4. :func:`unread_not_culprits` — a rank whose dump was there but not read in time
+   (``fr-analyze --deadline``) is never a culprit: that it "left no dump" is the
+   deadline's doing. A finding that named only such ranks becomes a warning.
 
 :func:`culprits_of` then reads the report's culprits off what is left: the error
 findings' culprits, in order, or the stragglers' when there is no error.
@@ -31,11 +34,36 @@ __all__ = ["culprits_of", "explained_by_desync", "hidden_p2p_roots", "settle",
            "stragglers_beside_errors"]
 
 
-def settle(ctx: Context, findings: list[Finding]) -> tuple[list[Finding], list[str]]:
-    """The findings less the consequences of others, and the notes they became."""
+def settle(ctx: Context, findings: list[Finding], *,
+           unread: Sequence[int] = ()) -> tuple[list[Finding], list[str]]:
+    """The findings less the consequences of others, and the notes they became;
+    ``unread``: ranks whose dumps were not read before a deadline."""
     findings = explained_by_desync(findings)
     findings = hidden_p2p_roots(ctx, findings)
-    return stragglers_beside_errors(findings)
+    findings, notes = stragglers_beside_errors(findings)
+    return unread_not_culprits(ctx, findings, unread), notes
+
+
+def unread_not_culprits(ctx: Context, findings: list[Finding],
+                        unread: Sequence[int]) -> list[Finding]:
+    """No rank in ``unread`` is a culprit; a finding left with none is a warning."""
+    if not unread:
+        return findings
+    gone = set(unread)
+    out = []
+    for f in findings:
+        hit = sorted(gone.intersection(f.culprit_ranks))
+        if not hit:
+            out.append(f)
+            continue
+        left = tuple(r for r in f.culprit_ranks if r not in gone)
+        note = (f"rank(s) {ctx.ranks(hit)}: the dump was not read before the deadline, so "
+                "it is not named (read it again without --deadline): ")
+        out.append(replace(
+            f, culprit_ranks=left, message=note + f.message,
+            severity=f.severity if left else Severity.WARNING,
+            evidence={**f.evidence, "unread": hit}))
+    return out
 
 
 _DESYNC = {FindingKind.OP_MISMATCH, FindingKind.DTYPE_MISMATCH, FindingKind.SIZE_MISMATCH}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
@@ -73,6 +74,12 @@ class DumpSet:
     problems: list[LoadProblem] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     companions: list[str] = field(default_factory=list)  # native dumps beside our frdump
+    #: files not read before ``load_dumps``'s deadline, and the ranks their names imply
+    #: (the analysis never names those ranks culprits: ``analyzer.consequences``)
+    unread: list[str] = field(default_factory=list)
+    unread_ranks: list[int] = field(default_factory=list)
+    #: the deadline those files missed, in seconds (None: no deadline)
+    deadline_s: float | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -250,19 +257,25 @@ def load_dumps(
     progress: Callable[[int, int], None] | None = None,
     limits: Limits = DEFAULT_LIMITS,
     window: int | None = None,
+    deadline_s: float | None = None,
 ) -> DumpSet:
     """Discover and decode every dump under ``paths`` into a :class:`DumpSet`.
 
     ``jobs`` worker processes decode in parallel (default and most: the
     machine's cores); ``progress(done, total)`` is called as files finish;
-    ``window``: see :func:`frforensics.analyzer.digest.windowed`.
+    ``window``: see :func:`frforensics.analyzer.digest.windowed`. ``deadline_s``:
+    stop decoding that many seconds after the call (give or take one small batch
+    of files); what was not read is in ``DumpSet.unread``, for a partial verdict.
     """
     # The collector stays off for the whole load: digests arriving from the
     # workers are hundreds of thousands of long-lived objects, and every
     # collection would rescan all of them (nothing here makes reference cycles).
     with gc_paused(settle=True):
-        return _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
-                     limits=limits, window=window)
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        out = _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
+                    limits=limits, window=window, end=end)
+        out.deadline_s = deadline_s
+        return out
 
 
 def _load(
@@ -274,6 +287,7 @@ def _load(
     progress: Callable[[int, int], None] | None,
     limits: Limits,
     window: int | None = None,
+    end: float | None = None,
 ) -> DumpSet:
     result = DumpSet()
     # Archive members arrive as bytes, one at a time: they are decoded here as
@@ -284,6 +298,8 @@ def _load(
     for item in discover(paths, limits=limits):
         if isinstance(item, LoadProblem):
             result.problems.append(item)
+        elif item.data is not None and end is not None and time.monotonic() > end:
+            _unread(result, item, prefix, limits)
         elif item.data is not None:
             result.add(digest_source(item, prefix=prefix, limits=limits, tail=tail,
                                      window=window))
@@ -294,33 +310,64 @@ def _load(
             on_disk.append(item)
     total = streamed + len(on_disk)
     done = streamed
-    for out in _decode_all(on_disk, prefix=prefix, jobs=jobs, tail=tail, limits=limits,
-                           window=window):
+    taken: set[int] = set()
+    for i, out in _decode_all(on_disk, prefix=prefix, jobs=jobs, tail=tail, limits=limits,
+                              window=window, end=end):
         result.add(out)
+        taken.add(i)
         done += 1
         if progress:
             progress(done, total)
+    if end is not None:
+        for i, source in enumerate(on_disk):
+            if i not in taken:
+                _unread(result, source, prefix, limits)
     return result
 
 
+def _unread(result: DumpSet, source: DumpSource, prefix: str | None, limits: Limits) -> None:
+    """``source`` was not read before the deadline: listed, and its rank (by name) kept."""
+    result.unread.append(source.label)
+    rank = rank_from_name(source.label, prefix, limits=limits)
+    if rank is not None and rank not in result.unread_ranks:
+        result.unread_ranks.append(rank)
+
+
 def _decode_all(sources: list[DumpSource], *, prefix: str | None, jobs: int, tail: int,
-                limits: Limits, window: int | None = None,
-                ) -> Iterator[RankDigest | LoadProblem | Skipped]:
+                limits: Limits, window: int | None = None, end: float | None = None,
+                ) -> Iterator[tuple[int, RankDigest | LoadProblem | Skipped]]:
+    """(index in ``sources``, outcome) of each source decoded, in order; after ``end``
+    (monotonic) no more (the batches in flight are cancelled, or finish unread)."""
+    def late() -> bool:
+        return end is not None and time.monotonic() > end
+
     if jobs == 1 or len(sources) < 8:
-        for source in sources:
-            yield digest_source(source, prefix=prefix, limits=limits, tail=tail, window=window)
+        for i, source in enumerate(sources):
+            if late():
+                return
+            yield i, digest_source(source, prefix=prefix, limits=limits, tail=tail,
+                                   window=window)
         return
     # Batches amortize the per-task overhead; several per worker keep cores busy;
-    # a bounded window of batches in flight keeps results from piling up.
-    size = max(1, min(64, len(sources) // (jobs * 4) or 1))
-    batches = deque(sources[i:i + size] for i in range(0, len(sources), size))
-    with _executor(jobs) as pool:
-        flight: deque[Future[list[RankDigest | LoadProblem | Skipped]]] = deque()
+    # a bounded window of batches in flight keeps results from piling up. Under a
+    # deadline the batches are small, so the last one read ends close to it.
+    size = max(1, min(8 if end is not None else 64, len(sources) // (jobs * 4) or 1))
+    batches = deque(range(i, min(i + size, len(sources))) for i in range(0, len(sources), size))
+    pool = _executor(jobs)
+    try:
+        flight: deque[tuple[range, Future[list[RankDigest | LoadProblem | Skipped]]]] = deque()
         while batches or flight:
-            while batches and len(flight) < 4 * jobs:
-                flight.append(pool.submit(_decode_batch, batches.popleft(), prefix, tail,
-                                          limits, window))
-            yield from flight.popleft().result()
+            while batches and len(flight) < 4 * jobs and not late():
+                rows = batches.popleft()
+                flight.append((rows, pool.submit(_decode_batch, [sources[i] for i in rows],
+                                                 prefix, tail, limits, window)))
+            if late():
+                return
+            rows, future = flight.popleft()
+            yield from zip(rows, future.result(), strict=True)
+    finally:
+        # past the deadline, nothing waits for the batches still queued
+        pool.shutdown(wait=end is None, cancel_futures=end is not None)
 
 
 def _add(result: DumpSet, new: RankDigest) -> None:
