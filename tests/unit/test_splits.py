@@ -137,3 +137,13 @@ def test_pytorchs_215_dumps_never_blame_the_ranks_that_stopped_with_the_aborted_
     report = _analyze(tmp_path, "native-2.15")
     assert report.culprit_ranks == (2,), [f.message for f in report.findings]
     assert report.findings[0].evidence.get("confidence") == "medium"
+
+
+def test_the_recorder_writes_elements_per_member_from_rows_and_even_splits() -> None:
+    from frforensics.recorder._dump import _split_elems
+
+    assert _split_elems((6, 4), (1, 2, 3), 3) == [4, 8, 12]  # rows x row size
+    assert _split_elems((6, 4), (), 3) == [8, 8, 8]  # empty: even, as c10d does
+    assert _split_elems((7, 4), (), 3) is None  # an even split that does not divide
+    assert _split_elems((), (), 3) is None  # a 0-d tensor has no rows
+    assert _split_elems((6,), (), 0) is None  # a group of unknown size

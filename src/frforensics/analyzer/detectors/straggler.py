@@ -926,9 +926,19 @@ def _noise_notes(ctx: Context, t: _Rows, blame: _Blame, a: F8) -> list[str]:
            if not blame.sustained.get(p) else
            f"below the {_pct(blame.min_cost)} that names a straggler")
     return [f"straggler: slowest rank {int(t.ranks[p])}: late in {int(blame.count[p])} of "
-            f"{int(blame.total[p])} collectives by {_ms(float(np.median(a[mine])))} (median), "
+            f"{int(blame.total[p])} {_judged_ops(t, p)} by {_ms(float(np.median(a[mine])))} "
+            "(median), "
             f"costing the job ~{_pct(float(blame.cost[p]))} of its time; {why}, so it is "
             "read as noise (no culprit, no action)"]
+
+
+def _judged_ops(t: Any, p: int) -> str:
+    """What rank position ``p``'s judged rows are: collectives, or with matched
+    send/recv pairs among them (``_with_p2p``), collectives and sends/receives."""
+    mine = t.op[t.pos == p]
+    if np.isin(mine, (SEND_HASH, RECV_HASH)).any():
+        return "collectives, sends and receives"
+    return "collectives"
 
 
 def _pct(share: float) -> str:
@@ -1012,7 +1022,8 @@ def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
         top_op = Counter(table.op[mine & (table.gid == top_gid)].tolist()).most_common(1)[0][0]
         groups_txt = ", ".join(f"{_short_group(ctx, g)}: {n}" for g, n in by_group.most_common(3))
         others = [v for v in victims if v != rank]
-        msg = (f"rank {rank} arrives last: late in {int(count[p])} of {int(total[p])} collectives "
+        msg = (f"rank {rank} arrives last: late in {int(count[p])} of {int(total[p])} "
+               f"{_judged_ops(table, p)} "
                f"by {_ms(median)} (median; p95 {_ms(p95)}) after the other members, in {groups_txt}; "
                f"its own time between ops is {_ms(float(np.median(exc)))} longer than its peers', "
                "so the delay starts on this rank")
