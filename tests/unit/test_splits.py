@@ -147,3 +147,26 @@ def test_the_recorder_writes_elements_per_member_from_rows_and_even_splits() -> 
     assert _split_elems((7, 4), (), 3) is None  # an even split that does not divide
     assert _split_elems((), (), 3) is None  # a 0-d tensor has no rows
     assert _split_elems((6,), (), 0) is None  # a group of unknown size
+
+
+def test_the_splits_a_digest_keeps_are_bounded_newest_first() -> None:
+    import dataclasses
+
+    from frforensics.analyzer import digest as dg
+    from frforensics.formats import decode_dump
+    from frforensics.model import EntryTable
+
+    trace = decode_dump((DATA / "ours" / "frdump_rank_0").read_bytes(), source="r0")
+    n = len(trace.entries)
+    strings = list(trace.strings)
+    wide = ",".join(["1"] * 20000)
+    first = len(strings)
+    strings += [f"{wide},{i}|{wide},{i}" for i in range(n)]  # a distinct 40k-value pair per row
+    cols = trace.entries.columns()
+    cols["splits"] = np.arange(first, first + n, dtype=np.int32)
+    big = dataclasses.replace(trace, strings=tuple(strings),
+                              entries=EntryTable.from_columns(n, cols))
+    kept = dg._splits(big)
+    assert kept is not None and max(kept) == n - 1  # the newest rows are kept
+    assert sum(2 * len(v[0]) for v in kept.values()) <= dg._MAX_SPLIT_VALUES + 2 * 20001
+    assert len(kept) < n

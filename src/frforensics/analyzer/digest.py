@@ -623,6 +623,10 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
 
 #: the most members a recorded split list may name (a longer one is not read)
 _MAX_SPLIT_MEMBERS: Final = 1 << 17
+#: split counts one digest keeps at most (distinct lists, newest rows first): a dump
+#: of 64 KiB split strings on every row must not grow 15-fold in memory, times every
+#: rank; 16,384 is 128 uneven all_to_alls of a 64-member expert group
+_MAX_SPLIT_VALUES: Final = 1 << 14
 
 
 def _splits(trace: RankTrace) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None:
@@ -635,13 +639,17 @@ def _splits(trace: RankTrace) -> dict[int, tuple[tuple[int, ...], tuple[int, ...
         return None
     parsed: dict[int, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     out: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-    for row, index in zip(rows.tolist(), col[rows].tolist(), strict=True):
+    budget = _MAX_SPLIT_VALUES
+    for row, index in zip(rows[::-1].tolist(), col[rows[::-1]].tolist(), strict=True):
         if index not in parsed:
-            parsed[index] = _parse_splits(trace.string(index))
+            if budget <= 0:
+                break  # older rows' splits are not kept
+            value = parsed[index] = _parse_splits(trace.string(index))
+            budget -= 0 if value is None else 2 * len(value[0])
         value = parsed[index]
         if value is not None:
             out[row] = value
-    return out or None
+    return dict(sorted(out.items())) or None
 
 
 def _parse_splits(text: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

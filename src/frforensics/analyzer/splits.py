@@ -33,6 +33,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
 
 from frforensics.analyzer.merge import JobModel
 from frforensics.analyzer.signatures import Mismatch
@@ -60,14 +64,14 @@ def find_split_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     found: list[Mismatch] = []
     for gid in sorted(at):
         members = list(job.groups[gid].ranks)
-        first: tuple[int, list[SplitPair], dict[int, Splits]] | None = None
+        first: tuple[int, _Exchange, dict[int, Splits]] | None = None
         later = 0
         for seq in sorted(at[gid]):
-            pairs = _disagreeing(members, at[gid][seq])
-            if not pairs:
+            x = _exchange(members, at[gid][seq])
+            if x is None:
                 continue
             if first is None:
-                first = (seq, pairs, at[gid][seq])
+                first = (seq, x, at[gid][seq])
             else:
                 later += 1
         if first is not None:
@@ -104,25 +108,57 @@ def _splits_by_seq(job: JobModel) -> tuple[dict[int, dict[int, dict[int, Splits]
     return out, rows
 
 
-def _disagreeing(members: list[int], by_rank: dict[int, Splits]) -> list[SplitPair]:
+#: disagreeing pairs kept per mismatch (the counts come from the whole matrix)
+MAX_PAIRS: Final = 64
+#: ranks whose split lists a mismatch's ``values`` show, and entries shown of each
+_SHOWN_RANKS: Final = 16
+_SHOWN_SPLITS: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class _Exchange:
+    """One all_to_all's members with splits, as matrices (``ranks`` order): what
+    ``ranks[a]`` sends ``ranks[b]`` (``sent[a, b]``) and what ``ranks[b]`` expects
+    from ``ranks[a]`` (``expected[a, b]``); ``bad``: where they differ."""
+
+    ranks: list[int]
+    sent: npt.NDArray[np.int64]
+    expected: npt.NDArray[np.int64]
+    bad: npt.NDArray[np.bool_]
+
+    def pairs(self, limit: int = MAX_PAIRS) -> list[SplitPair]:
+        """The disagreeing pairs (the first ``limit``, sender by sender)."""
+        at = np.argwhere(self.bad)[:limit]
+        return [SplitPair(self.ranks[a], self.ranks[b], int(self.sent[a, b]),
+                          int(self.expected[a, b])) for a, b in at.tolist()]
+
+
+def _exchange(members: list[int], by_rank: dict[int, Splits]) -> _Exchange | None:
+    """The members' splits at one seq as matrices (numpy: O(k^2) without a Python
+    step per pair, for groups of thousands); None when every pair agrees."""
     index = {r: i for i, r in enumerate(members)}
-    pairs = []
-    for s, (send, _) in sorted(by_rank.items()):
-        for r, (_, recv) in sorted(by_rank.items()):
-            if s in index and r in index and send[index[r]] != recv[index[s]]:
-                pairs.append(SplitPair(s, r, send[index[r]], recv[index[s]]))
-    return pairs
+    ranks = sorted(r for r in by_rank if r in index)
+    if not ranks:
+        return None
+    cols = np.asarray([index[r] for r in ranks], dtype=np.int64)
+    send = np.asarray([by_rank[r][0] for r in ranks], dtype=np.int64)
+    recv = np.asarray([by_rank[r][1] for r in ranks], dtype=np.int64)
+    sent = send[:, cols]  # sent[a, b]: what ranks[a] sends ranks[b]
+    expected = recv[:, cols].T  # expected[a, b]: what ranks[b] expects from ranks[a]
+    bad = sent != expected
+    if not bad.any():
+        return None
+    return _Exchange(ranks, sent, expected, bad)
 
 
-def _mismatch(job: JobModel, gid: int, members: list[int], seq: int, pairs: list[SplitPair],
+def _mismatch(job: JobModel, gid: int, members: list[int], seq: int, x: _Exchange,
               by_rank: dict[int, Splits], later: int, unfinished: bool) -> Mismatch:
-    partners: dict[int, set[int]] = defaultdict(set)
-    for p in pairs:
-        partners[p.sender].add(p.receiver)
-        partners[p.receiver].add(p.sender)
-    selfish = sorted(p.sender for p in pairs if p.sender == p.receiver)
-    most = max(len(v) for v in partners.values())
-    top = sorted(r for r, v in partners.items() if len(v) == most)
+    either = x.bad | x.bad.T
+    selfish = [x.ranks[a] for a in np.flatnonzero(np.diag(x.bad)).tolist()]
+    np.fill_diagonal(either, False)
+    partners = either.sum(axis=1)
+    most = int(partners.max())
+    top = [x.ranks[a] for a in np.flatnonzero(partners == most).tolist()] if most else []
     unseen = [r for r in members if r not in job.digests]
     culprits = top
     reason = "disagrees with the most peers"
@@ -134,31 +170,35 @@ def _mismatch(job: JobModel, gid: int, members: list[int], seq: int, pairs: list
     elif len(top) > 1:
         # only where the exchange itself went wrong (a member's op failed or never
         # finished there): a receiver that gets less than it expects completes
-        short = _short_senders(top, pairs, members, by_rank) if unseen and unfinished else []
+        short = _short_senders(x, top) if unseen and unfinished else []
         if len(short) == 1:
             culprits = short
             reason = (f"sends its dumped receivers less than they expect; the rest went to "
                       f"rank(s) without a dump ({', '.join(map(str, unseen[:16]))})")
         else:
             reason = "one pair disagrees: the splits cannot tell which side is wrong"
-    values = {r: f"sends {list(send)}, expects {list(recv)}" for r, (send, recv) in
-              sorted(by_rank.items())}
-    raw = {r: len(partners.get(r, ())) for r in by_rank}
+    shown = [r for r in x.ranks if r in culprits][:_SHOWN_RANKS]
+    shown += [r for r in x.ranks if r not in shown][:_SHOWN_RANKS - len(shown)]
+    values = {r: f"sends {_cut(by_rank[r][0])}, expects {_cut(by_rank[r][1])}"
+              for r in sorted(shown)}
+    raw = {r: int(n) for r, n in zip(x.ranks, partners.tolist(), strict=True)}
     return Mismatch(gid, seq, "splits", values, later, raw, culprits=tuple(culprits),
-                    pairs=tuple(pairs), reason=reason)
+                    pairs=tuple(x.pairs()), reason=reason)
 
 
-def _short_senders(top: list[int], pairs: list[SplitPair], members: list[int],
-                   by_rank: dict[int, Splits]) -> list[int]:
+def _cut(values: tuple[int, ...]) -> str:
+    if len(values) <= _SHOWN_SPLITS:
+        return str(list(values))
+    return str(list(values[:_SHOWN_SPLITS]))[:-1] + f", ... ({len(values)} members)]"
+
+
+def _short_senders(x: _Exchange, top: list[int]) -> list[int]:
     """Tied ranks that send their dumped receivers less, in all, than those expect."""
-    index = {r: i for i, r in enumerate(members)}
-    out = []
-    for s in top:
-        if s not in by_rank or not any(p.sender == s for p in pairs):
-            continue
-        send = by_rank[s][0]
-        balance = sum(send[index[r]] - recv[index[s]] for r, (_, recv) in by_rank.items()
-                      if r != s)
-        if balance < 0:
-            out.append(s)
-    return out
+    diff = x.sent - x.expected
+    np.fill_diagonal(diff, 0)
+    balance = diff.sum(axis=1)
+    off = np.asarray(x.bad, dtype=np.bool_).copy()
+    np.fill_diagonal(off, False)
+    sends_bad = [bool(v) for v in np.asarray(off.any(axis=1))]
+    short: list[bool] = (balance < 0).tolist()
+    return [r for a, r in enumerate(x.ranks) if r in top and sends_bad[a] and short[a]]
