@@ -25,7 +25,7 @@ it is torchrun's monitor unchanged):
   (``exit/<rank>``: exit code, signal, host, pid) and logged, and the others keep
   running. The survivors' recovery reads it: a SIGKILL (the OOM killer, or the
   host) is a ``replace_gpu_or_host`` verdict at once; every record is evidence in
-  the verdict (``recovery._agent_verdict``);
+  the verdict (``recovery._agents._agent_verdict``);
 - a survivor whose recovery refused or failed sets ``gave_up``: the agent then
   returns ``FAILED`` and torchrun's own code stops the workers and fails the job
   (or restarts it, ``--max-restarts``), as torchrun would;

@@ -338,9 +338,14 @@ def test_the_module_functions_act_on_the_recovery_setup_made(
     assert recovery.propose_exclusion([2], "another") is False  # the first one wins
     plan = json.loads(rec.state.store.kv["2/plan"])
     assert plan["culprit_ranks"] == [3]
+    # a Recovery acts on its own state, never on the module's current one
     other = _held(lambda t, d: None)
-    with pytest.raises(recovery.RecoveryError, match="not the process's current one"):
-        other.propose_exclusion([3], "stale object")
+    assert other.propose_exclusion([1], "its own store") is True
+    assert json.loads(other.state.store.kv["2/plan"])["culprit_ranks"] == [1]
+    assert json.loads(rec.state.store.kv["2/plan"])["culprit_ranks"] == [3]
+    other.close()
+    with pytest.raises(recovery.RecoveryError, match="closed"):
+        other.propose_exclusion([1], "closed")
 
 
 def test_the_recorders_side_says_nothing_while_the_recorder_is_off() -> None:

@@ -137,8 +137,9 @@ def test_the_agents_verdict_names_the_killed_rank_with_its_evidence() -> None:
     other = recovery.exit_record(1, 1, host="node1", pid=41)
     store = _Store({"exit/3": json.dumps(record).encode(), "exit/1": json.dumps(other).encode()})
     st = type("St", (), {"store": store, "members": [0, 1, 2, 3]})()
-    doc = recovery._agent_verdict(st)  # type: ignore[arg-type]
-    assert doc is not None
+    found = recovery._agent_verdict(st)  # type: ignore[arg-type]
+    assert isinstance(found, verdict.Verdict)  # typed from the source to the exclusion
+    doc = found.to_json()
     evidence = sorted([other, record], key=lambda r: r["time_ns"])
     assert json.dumps(doc) == json.dumps({
         "schema": "frforensics.verdict/1", "status": "dead", "culprit_ranks": [3],
@@ -151,12 +152,12 @@ def test_the_agents_verdict_names_the_killed_rank_with_its_evidence() -> None:
 
 
 def test_the_dump_directory_verdict_uses_the_report_and_the_headline_rule(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     for p in (SAMPLES / "missing_rank" / "frdump").glob("frdump_rank_*"):
         (tmp_path / p.name).write_bytes(p.read_bytes())
-    monkeypatch.setattr(recovery, "state", lambda: type("St", (), {"me": 0})())
-    doc = recovery.verdict_from_dump_dir(tmp_path, world_size=4)(120.0, "test")
-    assert doc is not None
+    found = recovery.verdict_from_dump_dir(tmp_path, world_size=4)(120.0, "test")
+    assert isinstance(found, verdict.Verdict)
+    doc = found.to_json()
     assert list(doc) == ["schema", "status", "culprit_ranks", "actions", "headline", "text",
                          "source", "error"]
     assert doc["headline"].startswith("HANG — missing_rank: Rank 2 never entered all_reduce")

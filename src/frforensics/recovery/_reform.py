@@ -1,0 +1,327 @@
+"""A recovery: the agreed verdict, the exclusion, the re-formed groups, the hand-over."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from frforensics.recovery import _handover
+from frforensics.recovery._policy import exclusion_from
+from frforensics.recovery._state import (
+    Guard,
+    RecoveryError,
+    RecoveryFailed,
+    RecoveryRefused,
+    State,
+    _say,
+    _torch,
+    log,
+)
+from frforensics.recovery._store import _add, _get, _handle, _reconfigure, _set
+from frforensics.recovery._transfer import _hand_over
+from frforensics.recovery._verdicts import (
+    _agree_on_verdict,
+    _later_verdicts,
+    _wait_verdict,
+    parse_agreed,
+)
+from frforensics.verdict import EXIT_EXCLUDED, Verdict
+
+
+def _planned_check(st: State, g: Guard) -> None:
+    """At a step boundary: carry out a proposed exclusion, agreed by one all_reduce."""
+    every = st.options.plan_check_every
+    if every <= 0 or st.me not in st.members:
+        return
+    st.steps += 1
+    if st.steps % every:
+        return
+    torch, dist, _ = _torch()
+    key = f"{st.uuid + 1}/plan"
+    raw: bytes | None = None
+    with contextlib.suppress(Exception):
+        if st.store.check([key]):
+            raw = bytes(st.store.get(key))
+    seen = torch.tensor([0.0 if raw is None or raw in st.refused_plans else 1.0])
+    # Every member reads the key at a different moment: the MAX tells all of them
+    # that one saw it, and then it is there for everyone to read.
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    if seen.item() <= 0:
+        return
+    if raw is None:
+        raw = _get(st.store, key, time.monotonic() + st.options.arrival_timeout_s)
+    if raw is None:
+        raise RecoveryFailed(f"a planned exclusion was seen but {key} is not readable")
+    try:
+        planned = json.loads(raw)
+    except ValueError as exc:
+        raise RecoveryError(f"malformed planned exclusion ({key}): {exc}") from None
+    try:
+        recover(st, g, planned=planned)
+    except RecoveryRefused as exc:
+        st.refused_plans.add(raw)
+        _say(st, f"planned exclusion refused, training on: {exc.reason}")
+
+
+def recover(st: State, g: Guard, *, cause: BaseException | None = None,
+            planned: dict[str, Any] | None = None) -> None:
+    """Exclude the verdict's culprits and re-form the groups (called by the guard).
+
+    ``planned``: the verdict of a planned exclusion (no step failed; a refusal
+    leaves the job running, so it does not tell frforensics-run to fail the job).
+    """
+    t0 = time.monotonic()
+    opts = st.options
+    with st.lock:
+        st.recovering = True
+    try:
+        detail = f"recovery: {type(cause).__name__}: {str(cause)[:200]}" if cause else "recovery"
+        if planned is None:
+            _say(st, f"step failed ({str(cause).splitlines()[0][:160] if cause else 'requested'})"
+                     f"; waiting for the verdict (<= {opts.verdict_timeout_s:g} s)")
+        else:
+            _say(st, f"planned exclusion at step boundary {st.steps}")
+        deadline = t0 + opts.verdict_timeout_s
+        local = planned if planned is not None else _wait_verdict(st, deadline, detail)
+        agreed = _agree_on_verdict(st, st.uuid + 1, local, deadline)
+        if agreed is None:
+            raise RecoveryFailed(
+                f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
+                "enabled with the verdict at hang time?); not guessing whom to exclude") from cause
+        g.verdict = agreed
+        verdict = parse_agreed(agreed)  # typed from here to the exclusion and the re-form
+        g.phases["verdict_s"] = time.monotonic() - t0
+        _say(st, f"verdict: {' '.join(verdict.headline.split())}")
+        excluded = exclusion_from(
+            verdict, st.members, known=sorted(st.known), store_host=st.store_host,
+            max_exclusions=opts.max_exclusions,
+            excluded_so_far=sum(len(h["excluded"]) for h in st.history),
+            min_world_size=opts.min_world_size)
+        _refuse_lost_shards(st, excluded, verdict)
+        t_verdict = time.monotonic()
+        _reform(st, g, verdict, excluded, t0)
+        g.phases["reform_s"] = time.monotonic() - t_verdict - g.phases.get("handover_s", 0.0)
+    except RecoveryError as exc:
+        _say(st, f"recovery gave up: {exc.reason}")
+        if planned is not None and isinstance(exc, RecoveryRefused):
+            raise exc from cause  # a refused plan: the job trains on
+        # frforensics-run's agent fails the job (as torchrun would) on this key.
+        with contextlib.suppress(Exception):
+            st.store.set("gave_up", json.dumps({
+                "rank": st.me, "kind": type(exc).__name__, "reason": exc.reason[:500]}))
+        raise exc from cause
+    finally:
+        st.recovering = False
+    g.seconds = time.monotonic() - t0
+    _say(st, f"reconfigured: now rank {g.rank} of {g.world_size} (excluded {g.excluded}, "
+             f"uuid {st.uuid}, {g.seconds:.2f} s after "
+             f"{'the step failed' if planned is None else 'the planned check'}: "
+             + ", ".join(f"{k.removesuffix('_s')} {v:.2f} s" for k, v in g.phases.items()) + ")")
+
+
+def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
+            t0: float) -> None:
+    opts = st.options
+    uuid = st.uuid + 1
+    survivors = [m for m in st.members if m not in excluded]
+    if st.me not in survivors:
+        _exit_excluded(st, verdict)
+    # 1. arrive: a fresh handle per survivor, per attempt.
+    _set(st.store, f"{uuid}/h/{st.me}", _handle())
+    _set(st.store, f"{uuid}/open", "1")  # standbys watch this
+    leader = survivors[0]
+    deadline = time.monotonic() + opts.arrival_timeout_s
+    if st.me == leader:
+        handles: dict[int, str] = {}
+        for m in survivors:
+            raw = _get(st.store, f"{uuid}/h/{m}", deadline)
+            if raw is None:
+                _set(st.store, f"{uuid}/decision", json.dumps(
+                    {"failed": f"rank {m} did not arrive within {opts.arrival_timeout_s:g} s"}))
+                raise RecoveryFailed(
+                    f"rank {m} (a survivor) did not arrive at the recovery within "
+                    f"{opts.arrival_timeout_s:g} s", [verdict, *_later_verdicts(st)])
+            handles[m] = raw.decode()
+        admitted = _admit_spares(st, uuid, len(excluded), deadline)
+        members = survivors + [m for m, _ in admitted]
+        handles.update(dict(admitted))
+        decision = {"uuid": uuid, "members": members, "handles": [handles[m] for m in members],
+                    "old_members": st.members, "excluded": excluded,
+                    "reason": verdict.headline, "incident": verdict.incident,
+                    # the leader's word for everyone: a survivor hands its state over
+                    "state": st.state_dict is not None}
+        _set(st.store, f"{uuid}/decision", json.dumps(decision))
+        _set(st.store, "current", json.dumps({"uuid": uuid, "members": members}))
+    else:
+        raw = _get(st.store, f"{uuid}/decision",
+                   deadline + opts.arrival_timeout_s)  # the leader's own bound, then ours
+        if raw is None:
+            raise RecoveryFailed(f"no membership decision from rank {leader} (the leader) "
+                                 f"within {2 * opts.arrival_timeout_s:g} s", [verdict])
+        decision = json.loads(raw)
+        if "failed" in decision:
+            raise RecoveryFailed(str(decision["failed"]), [verdict, *_later_verdicts(st)])
+    _apply(st, g, decision, verdict)
+
+
+def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> None:
+    """Reconfigure the default group (and subgroups) as ``decision`` says."""
+    opts = st.options
+    _, dist, c10d = _torch()
+    torch, _, _ = _torch()
+    uuid = int(decision["uuid"])
+    members = [int(m) for m in decision["members"]]
+    excluded = [int(m) for m in decision["excluded"]]
+    try:
+        _reconfigure(uuid, list(decision["handles"]), None, opts.reconfigure_timeout_s)
+    except RecoveryFailed as exc:
+        raise RecoveryFailed(exc.reason, [verdict]) from None
+    except Exception as exc:
+        raise RecoveryFailed(f"reconfigure (uuid {uuid}) failed: {exc}", [verdict]) from exc
+    old = st.members
+    st.members, st.uuid = members, uuid
+    st.known.update(members)
+    st.steps = 0
+    _tell_recorder(st, c10d._get_default_group(), uuid, old, members,
+                   str(decision.get("reason", ""))[:300])
+    _reform_subgroups(st, excluded, uuid, verdict)
+    # Prove the new group works: every member adds its member id + 1.
+    t = torch.tensor([float(st.me + 1)])
+    work = dist.all_reduce(t, async_op=True)
+    try:
+        ok = work.wait(timeout=timedelta(seconds=opts.check_timeout_s))
+    except Exception as exc:
+        raise RecoveryFailed(f"the re-formed group failed its check all_reduce: {exc}",
+                             [verdict]) from exc
+    expected = float(sum(m + 1 for m in members))
+    if not ok or t.item() != expected:
+        raise RecoveryFailed(f"the re-formed group's check all_reduce gave {t.item()}, "
+                             f"expected {expected}", [verdict])
+    t_handover = time.monotonic()
+    if decision.get("state"):
+        try:
+            _hand_over(st, decision, verdict)
+        except RecoveryError:
+            raise
+        except Exception as exc:  # a peer lost mid-transfer, the agreement's op failed
+            raise RecoveryFailed(f"the state hand-over failed: {type(exc).__name__}: {exc}",
+                                 [verdict]) from exc
+    g.phases["handover_s"] = time.monotonic() - t_handover
+    pg = c10d._get_default_group()
+    g.reconfigured, g.rank, g.world_size, g.excluded = True, pg.rank(), pg.size(), excluded
+    record = {"uuid": uuid, "old_members": old, "members": members, "excluded": excluded,
+              "reason": decision.get("reason", ""), "time_ns": time.time_ns()}
+    st.history.append(record)
+    _note_recorder(st, record)
+
+
+def _refuse_lost_shards(st: State, excluded: list[int], verdict: Verdict) -> None:
+    """:class:`RecoveryRefused` when excluding ``excluded`` loses a shard of the state."""
+    if st.state_dict is None:
+        return
+    try:
+        why = _handover.lost_shards(st.state_dict(), excluded)
+    except Exception as exc:  # the hand-over's own attempt will report a failing state_dict
+        log.debug("frforensics.recovery: lost-shard check skipped: %s", exc)
+        return
+    if why:
+        raise RecoveryRefused(f"not excluding anyone: {why}", [verdict])
+
+
+def _reform_subgroups(st: State, excluded: list[int], uuid: int,
+                      verdict: Verdict) -> None:
+    opts = st.options
+    for i, sub in enumerate(st.subgroups):
+        if not set(sub.members) & set(excluded):
+            continue  # untouched: keeps working as it is
+        keep = [m for m in sub.members if m not in excluded]
+        before, sub.members = sub.members, keep
+        if st.me not in keep:
+            continue
+        key = f"{uuid}/sub{i}/h/"
+        _set(st.store, key + str(st.me), _handle(sub.group))
+        deadline = time.monotonic() + opts.arrival_timeout_s
+        handles = []
+        for m in keep:
+            raw = _get(st.store, key + str(m), deadline)
+            if raw is None:
+                raise RecoveryFailed(f"subgroup {sub.members}: rank {m} did not publish its "
+                                     f"handle in {opts.arrival_timeout_s:g} s", [verdict])
+            handles.append(raw.decode())
+        try:
+            _reconfigure(uuid, handles, sub.group, opts.reconfigure_timeout_s)
+        except Exception as exc:
+            raise RecoveryFailed(f"subgroup {keep}: reconfigure failed: {exc}", [verdict]) from exc
+        _tell_recorder(st, sub.group, uuid, before, keep, f"excluded {excluded}")
+
+
+def _admit_spares(st: State, uuid: int, wanted: int,
+                  deadline: float) -> list[tuple[int, str]]:
+    """Up to ``wanted`` standbys that answered this recovery's ``open`` (id, handle).
+
+    A standby registers as ``<uuid>/spare#<n>`` (``n`` from the store's counter);
+    the leader waits up to 2 s for them, and only while some standby is alive
+    (the ``standbys`` counter), so a job without standbys loses no time here.
+    """
+    out: list[tuple[int, str]] = []
+    if wanted <= 0 or _add(st.store, "standbys", 0) <= 0:
+        return out
+    end = min(deadline, time.monotonic() + 2.0)
+    while True:
+        n = _add(st.store, f"{uuid}/nspare", 0)
+        if n >= wanted or time.monotonic() >= end:
+            break
+        time.sleep(0.02)
+    for i in range(1, n + 1):
+        if len(out) >= wanted:
+            break
+        raw = _get(st.store, f"{uuid}/spare#{i}", time.monotonic())
+        if raw is None:
+            continue
+        with contextlib.suppress(ValueError, TypeError, KeyError):
+            entry = json.loads(raw)
+            spare, handle = int(entry["id"]), str(entry["handle"])
+            if spare not in st.members and spare not in [m for m, _ in out]:
+                out.append((spare, handle))
+    for spare, _ in out:
+        if spare in st.spares:
+            st.spares.remove(spare)
+        st.known.add(spare)
+    return out
+
+
+def _tell_recorder(st: State, group: Any, uuid: int, old: Sequence[int],
+                   new: Sequence[int], reason: str) -> None:
+    """The recorder gives a re-formed group a new identity (recorder/_reconfig.py)."""
+    if st.recorder is not None:
+        with contextlib.suppress(Exception):
+            st.recorder.note_reconfigure(group, uuid=uuid, old_members=list(old),
+                                         members=list(new), reason=reason)
+
+
+def _note_recorder(st: State, record: dict[str, Any]) -> None:
+    """Tell the recorder that the incident is over (the next hang is a new one)."""
+    # Rank and world size stay the member ids of init_process_group: the
+    # recorder's dump names and group members are in those terms
+    # (recorder/_reconfig.py); the group rank is only the backend's.
+    if st.recorder is not None:
+        with contextlib.suppress(Exception):
+            st.recorder.next_incident()
+
+
+def _exit_excluded(st: State, verdict: Verdict) -> None:
+    _say(st, f"this rank was excluded from the job by the verdict: "
+             f"{' '.join(verdict.headline.split())}; "
+             f"exiting with code {EXIT_EXCLUDED}")
+    if st.options.exit_excluded:
+        sys.stderr.flush()
+        os._exit(EXIT_EXCLUDED)
+    raise RecoveryRefused("this rank was excluded from the job", [verdict])
+
+

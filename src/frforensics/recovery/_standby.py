@@ -1,0 +1,93 @@
+"""A standby waiting to be admitted, and a live member told it was excluded."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+
+from frforensics.recovery._reform import _apply, _exit_excluded
+from frforensics.recovery._state import Guard, RecoveryError, RecoveryFailed, State, _say
+from frforensics.recovery._store import _add, _get, _handle, _set
+from frforensics.verdict import Verdict
+
+
+def _standby(st: State, timeout_s: float | None) -> Guard:
+    if st.me not in st.spares:
+        raise RecoveryError(f"rank {st.me} is not a spare (spares: {st.spares})")
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    uuid = st.uuid + 1
+    _say(st, "standing by")
+    while end is None or time.monotonic() < end:
+        if _job_finished(st):
+            _say(st, "the job finished without needing this standby")
+            return Guard()
+        if _get(st.store, f"{uuid}/open", time.monotonic() + 0.2) is None:
+            continue
+        n = _add(st.store, f"{uuid}/nspare", 1)
+        _set(st.store, f"{uuid}/spare#{n}", json.dumps({"id": st.me, "handle": _handle()}))
+        raw = _get(st.store, f"{uuid}/decision", time.monotonic() + 3 * st.options.arrival_timeout_s)
+        if raw is None:
+            uuid += 1
+            continue
+        decision = json.loads(raw)
+        if "failed" in decision:
+            uuid += 1
+            continue
+        if st.me not in decision["members"]:
+            st.uuid = uuid
+            uuid += 1
+            continue
+        g = Guard()
+        st.spares = [s for s in st.spares if s != st.me]
+        for s in decision["members"]:
+            if s in st.spares:
+                st.spares.remove(s)
+        st.known.update(int(m) for m in decision["members"])
+        with contextlib.suppress(RecoveryError):
+            _add(st.store, "standbys", -1)
+        t_admitted = time.monotonic()
+        _apply(st, g, decision, Verdict(status=None, headline=str(decision.get("reason", ""))))
+        g.seconds = time.monotonic() - t_admitted
+        g.phases["reform_s"] = g.seconds - g.phases.get("handover_s", 0.0)
+        _say(st, f"admitted: now rank {g.rank} of {g.world_size}")
+        return g
+    raise RecoveryFailed(f"standby: not called in within {timeout_s:g} s")
+
+
+def _job_finished(st: State) -> bool:
+    """Every member of the current configuration closed its Recovery (the job is over)."""
+    try:
+        raw = st.store.get("current") if st.store.check(["current"]) else None
+        current = json.loads(bytes(raw)) if raw is not None else None
+        if not isinstance(current, dict):
+            return False
+        members = current.get("members")
+        return isinstance(members, list) and bool(members) and \
+            _add(st.store, f"{int(current['uuid'])}/closed", 0) >= len(members)
+    except Exception:
+        return False
+
+
+def _exclusion_watch(st: State) -> None:
+    """Daemon: a live process that a decision excluded is told so and exits."""
+    failures = 0
+    while not st.closed and failures < 3:  # the store is gone: the job is over
+        if st.stop.wait(0.1):  # close(): at once, never into another store call
+            break
+        if st.recovering or st.me not in st.members:
+            continue
+        uuid = st.uuid + 1
+        try:
+            if not st.store.check([f"{uuid}/decision"]):
+                failures = 0
+                continue
+            decision = json.loads(bytes(st.store.get(f"{uuid}/decision")))
+        except Exception:
+            failures += 1
+            continue
+        if "failed" in decision or st.me in decision.get("members", [st.me]):
+            continue
+        _exit_excluded(st, Verdict(status=None, headline=str(decision.get("reason", ""))))
+
+
