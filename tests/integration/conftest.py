@@ -120,6 +120,20 @@ class Job:
         return decode_dump(path.read_bytes(), source=str(path))
 
 
+def _interactive_signals() -> None:
+    """In the child before exec: SIGINT and SIGQUIT as a job started from a terminal has them.
+
+    A command a non-interactive shell starts in the background (``cmd &``, as a CI
+    script or a bench harness may run pytest) inherits SIGINT and SIGQUIT ignored
+    (POSIX, "Shell Command Language", asynchronous lists), Python then keeps SIGINT
+    ignored instead of installing ``default_int_handler``, and the recorder rightly
+    leaves an ignored signal alone. The jobs here model a user's job, so they start
+    with the defaults; ``test_an_ignored_sigint_stays_ignored`` covers the other case.
+    """
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     for key in list(env):
@@ -173,6 +187,7 @@ def run_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
                 [PYTHON, str(script)], env=_child_env({**base, "RANK": str(rank),
                                                         "LOCAL_RANK": str(rank)}),
                 stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
+                preexec_fn=_interactive_signals,
             ))
             log.close()
         job = Job(procs, dump_dir, log_dir, started, world_size)
@@ -206,6 +221,7 @@ def run_torchrun(tmp_path: Path) -> Iterator[Callable[..., Job]]:
              str(script)],
             env=_child_env({"FRFORENSICS_DUMP_DIR": str(dump_dir), **(env or {})}),
             stdout=log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True,
+            preexec_fn=_interactive_signals,
         )
         log.close()
         job = Job([proc], dump_dir, log_dir, time.monotonic(), nproc)

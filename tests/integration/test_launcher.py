@@ -128,9 +128,13 @@ def _port() -> int:
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
     src = str(Path(frforensics.__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "FRT_"))}
+    # PYTHONFAULTHANDLER: a worker that aborts (SIGABRT at exit, issue 28's clean
+    # ends) prints every thread's Python stack into the log the assertions show;
+    # the exit status stays the signal's.
     env.update(OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]),
-               FRT_DUMPS=str(tmp / "dumps"), PYTHONWARNINGS="ignore", **extra)
+               FRT_DUMPS=str(tmp / "dumps"), PYTHONWARNINGS="ignore",
+               PYTHONFAULTHANDLER="1", **extra)
     return env
 
 
