@@ -81,7 +81,7 @@ def test_a_pipeline_stage_slow_in_its_forward_is_named_from_its_sends_and_receiv
     a gloo send's completion (when the program waited on it) was taken as what
     released the next op, and the replay's 60 ms tolerance made cycles (4 rows of 5
     fell back to recorded times: 2 % saved). The job ran 10 steps in 1.82 s; the
-    same job without the delay in 0.19 s."""
+    same job without the delay in 0.19 s: the replay says 1818 ms -> 184 ms."""
     from pathlib import Path
 
     from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
@@ -92,6 +92,10 @@ def test_a_pipeline_stage_slow_in_its_forward_is_named_from_its_sends_and_receiv
     assert report.culprit_ranks == (1,)
     [f] = [f for f in report.findings if f.kind is FindingKind.STRAGGLER]
     assert f.evidence["sustained"] == "recurring"
-    span = f.evidence["what_if_span_ms"]
-    assert span["without_its_delay"] < 0.6 * span["as_recorded"]  # the delay is most of it
+    # issue 29: the what-if saving within 20 % of the one a rerun without the delay
+    # measured (1818 ms -> 192 ms of job time, README). Removing min(lateness,
+    # excess) on the blamed rows only said 46 %: the stage's delay shows as think
+    # time before its send and as lateness at the receive after it, rarely both.
+    measured = 1 - 192 / 1818
+    assert abs(f.evidence["cost_share"] - measured) <= 0.2 * measured, f.evidence
 

@@ -16,7 +16,8 @@ rank's is not saved at all. So the recorded dependency graph is replayed:
 
 Replayed once as recorded (``removed`` all zero: the replay reproduces the
 recorded span, up to clock-offset error) and once with the suspect's excess think
-time removed at the collectives it is blamed for; the saving is the difference.
+time removed wherever it stands out (the caller, ``straggler._blame``); the saving
+is the difference.
 Times are on one clock: the caller subtracts each rank's estimated clock offset.
 
 Worked example (2 ranks, 3 all_reduces, rank 1 thinks 50 ms longer before #2)::
