@@ -49,6 +49,16 @@ def setup(**kw):
             got["model"]["extra.weight"] = torch.zeros(3)  # a standby built another model
         return got
     kw["state_dict"] = state_dict
+    if how == "die_sending" and os.environ.get("RANK") == "0":
+        # the sender dies between the state's first chunk and its checksum
+        import signal, torch.distributed as dist
+        real_send, calls = dist.send, [0]
+        def send(*a, **k):
+            calls[0] += 1
+            if calls[0] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_send(*a, **k)
+        dist.send = send
     return real_setup(**kw)
 recovery.setup = setup
 runpy.run_path(os.environ["FRT_EXAMPLE"], run_name="__main__")
@@ -301,3 +311,23 @@ def test_a_sharded_model_losing_a_rank_is_refused_with_one_line_never_trained_wi
         text[-6000:]
     assert "TRAINED ON" not in text and "was excluded from the job" not in text
     assert code != 0
+
+
+
+def test_a_sender_dying_mid_transfer_is_one_more_failure_and_the_next_survivor_sends(
+        tmp_path: Path, fault_free: dict[int, Any]) -> None:
+    # rank 3 SIGKILLed at step 6, a standby admitted; rank 0, sending it the state,
+    # is SIGKILLed between the first chunk and the checksum. The members recover
+    # again (rank 0 excluded, the second spare admitted) and rank 1 hands the state
+    # to both standbys: the one without state yet and the new one.
+    code, text, finals = _run(tmp_path, "die", [*SINGLE, "--spares", "2"],
+                              hostile="die_sending", EXAMPLE_FAULT="kill")
+    assert re.search(r"rank [45]\] cannot take the survivors' state: RuntimeError", text), \
+        text[-6000:]
+    assert "; recovering again" in text and "DEAD — rank 0 on vm killed by SIGKILL" in text
+    assert re.search(r"state version 6 handed over by rank 1 to \[(4, 5|5, 4)\]", text), \
+        text[-6000:]
+    assert sorted(finals) == [1, 2, 4, 5], text[-6000:]
+    assert all(f["world_size"] == 4 and f["step"] == 30 for f in finals.values())
+    _assert_healed(_params(tmp_path, "die"), fault_free, [1, 2, 4, 5])
+    assert code == 0, text[-6000:]

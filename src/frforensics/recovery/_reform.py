@@ -15,6 +15,7 @@ from frforensics.recovery import _handover
 from frforensics.recovery._policy import exclusion_from
 from frforensics.recovery._state import (
     Guard,
+    HandoverLost,
     RecoveryError,
     RecoveryFailed,
     RecoveryRefused,
@@ -75,7 +76,23 @@ def recover(st: State, g: Guard, *, cause: BaseException | None = None,
 
     ``planned``: the verdict of a planned exclusion (no step failed; a refusal
     leaves the job running, so it does not tell frforensics-run to fail the job).
+    A member lost during the state hand-over (:class:`HandoverLost`) is one more
+    failure: the members recover again from it, as bounded as any recovery
+    (``max_exclusions`` counts every re-form), and the standbys still without state
+    receive it from the next survivor.
     """
+    while True:
+        try:
+            _recover_once(st, g, cause=cause, planned=planned)
+            return
+        except HandoverLost as exc:
+            _say(st, f"{exc.reason}; recovering again")
+            cause, planned = exc, None
+            g.phases.clear()
+
+
+def _recover_once(st: State, g: Guard, *, cause: BaseException | None,
+                  planned: dict[str, Any] | None) -> None:
     t0 = time.monotonic()
     opts = st.options
     with st.lock:
@@ -107,6 +124,8 @@ def recover(st: State, g: Guard, *, cause: BaseException | None = None,
         t_verdict = time.monotonic()
         _reform(st, g, verdict, excluded, t0)
         g.phases["reform_s"] = time.monotonic() - t_verdict - g.phases.get("handover_s", 0.0)
+    except HandoverLost:
+        raise  # the members recover again (``recover``)
     except RecoveryError as exc:
         _say(st, f"recovery gave up: {exc.reason}")
         if planned is not None and isinstance(exc, RecoveryRefused):
@@ -132,7 +151,10 @@ def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
     survivors = [m for m in st.members if m not in excluded]
     if st.me not in survivors:
         _exit_excluded(st, verdict)
-    # 1. arrive: a fresh handle per survivor, per attempt.
+    # 1. arrive: a fresh handle per survivor, per attempt (a standby admitted by a
+    # re-form whose hand-over lost a peer says first that it holds no state).
+    if st.stateless:
+        _set(st.store, f"{uuid}/nostate/{st.me}", "1")
     _set(st.store, f"{uuid}/h/{st.me}", _handle())
     _set(st.store, f"{uuid}/open", "1")  # standbys watch this
     leader = survivors[0]
@@ -151,8 +173,12 @@ def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
         admitted = _admit_spares(st, uuid, len(excluded), deadline)
         members = survivors + [m for m, _ in admitted]
         handles.update(dict(admitted))
+        stateless = [m for m in survivors if st.store.check([f"{uuid}/nostate/{m}"])]
         decision = {"uuid": uuid, "members": members, "handles": [handles[m] for m in members],
                     "old_members": st.members, "excluded": excluded,
+                    # who receives the state: the admitted standbys, and earlier ones
+                    # whose hand-over lost its sender
+                    "receivers": [m for m, _ in admitted] + stateless,
                     "reason": verdict.headline, "incident": verdict.incident,
                     # the leader's word for everyone: a survivor hands its state over
                     "state": st.state_dict is not None}
@@ -203,6 +229,12 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> N
     if not ok or t.item() != expected:
         raise RecoveryFailed(f"the re-formed group's check all_reduce gave {t.item()}, "
                              f"expected {expected}", [verdict])
+    # the re-form is done (a hand-over that loses a peer below recovers again, and
+    # ``max_exclusions`` counts this one)
+    record = {"uuid": uuid, "old_members": old, "members": members, "excluded": excluded,
+              "reason": decision.get("reason", ""), "time_ns": time.time_ns()}
+    st.history.append(record)
+    _note_recorder(st, record)
     t_handover = time.monotonic()
     if decision.get("state"):
         try:
@@ -210,15 +242,11 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> N
         except RecoveryError:
             raise
         except Exception as exc:  # a peer lost mid-transfer, the agreement's op failed
-            raise RecoveryFailed(f"the state hand-over failed: {type(exc).__name__}: {exc}",
-                                 [verdict]) from exc
+            raise HandoverLost(f"the state hand-over failed: {type(exc).__name__}: "
+                               f"{str(exc)[:300]}", [verdict]) from exc
     g.phases["handover_s"] = time.monotonic() - t_handover
     pg = c10d._get_default_group()
     g.reconfigured, g.rank, g.world_size, g.excluded = True, pg.rank(), pg.size(), excluded
-    record = {"uuid": uuid, "old_members": old, "members": members, "excluded": excluded,
-              "reason": decision.get("reason", ""), "time_ns": time.time_ns()}
-    st.history.append(record)
-    _note_recorder(st, record)
 
 
 def _refuse_lost_shards(st: State, excluded: list[int], verdict: Verdict) -> None:

@@ -6,8 +6,15 @@ import contextlib
 import json
 import time
 
-from frforensics.recovery._reform import _apply, _exit_excluded
-from frforensics.recovery._state import Guard, RecoveryError, RecoveryFailed, State, _say
+from frforensics.recovery._reform import _apply, _exit_excluded, recover
+from frforensics.recovery._state import (
+    Guard,
+    HandoverLost,
+    RecoveryError,
+    RecoveryFailed,
+    State,
+    _say,
+)
 from frforensics.recovery._store import _add, _get, _handle, _set
 from frforensics.verdict import Verdict
 
@@ -47,7 +54,14 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
         with contextlib.suppress(RecoveryError):
             _add(st.store, "standbys", -1)
         t_admitted = time.monotonic()
-        _apply(st, g, decision, Verdict(status=None, headline=str(decision.get("reason", ""))))
+        st.stateless = st.state_dict is not None and bool(decision.get("state"))
+        try:
+            _apply(st, g, decision, Verdict(status=None, headline=str(decision.get("reason", ""))))
+        except HandoverLost as exc:
+            # A member now: it recovers with the others and, still without state,
+            # receives it from the next survivor.
+            _say(st, f"{exc.reason}; recovering again with the members")
+            recover(st, g, cause=exc)
         g.seconds = time.monotonic() - t_admitted
         g.phases["reform_s"] = g.seconds - g.phases.get("handover_s", 0.0)
         _say(st, f"admitted: now rank {g.rank} of {g.world_size}")

@@ -69,6 +69,12 @@ class RecoveryFailed(RecoveryError):
     """Recovery was attempted and did not complete within its bounds."""
 
 
+class HandoverLost(RecoveryFailed):
+    """The groups were re-formed, then a member was lost during the state hand-over
+    (a sender that died mid-transfer): the members recover again, and the standbys
+    that hold no state yet receive it in the next hand-over (``_reform.recover``)."""
+
+
 def _torch() -> tuple[Any, Any, Any]:
     import torch
     import torch.distributed as dist
@@ -196,6 +202,9 @@ class State:
     #: Successful guarded steps since setup (the state version; a standby takes the
     #: sender's with its state).
     version: int = 0
+    #: An admitted standby whose hand-over has not completed: it holds no training
+    #: state, so it receives in the next hand-over and never sends.
+    stateless: bool = False
     #: The exclusion watcher (joined by ``Recovery.close``) and the event that wakes it.
     watcher: threading.Thread | None = None
     stop: threading.Event = field(default_factory=threading.Event)

@@ -29,8 +29,10 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
     uuid = int(decision["uuid"])
     members = [int(m) for m in decision["members"]]
     old = {int(m) for m in decision["old_members"]}
-    survivors = [m for m in members if m in old]
-    admitted = [m for m in members if m not in old]
+    # receivers: the admitted standbys and any earlier one still without state (its
+    # hand-over lost the sender); senders: the members that hold the state
+    admitted = [int(m) for m in decision.get("receivers", [m for m in members if m not in old])]
+    survivors = [m for m in members if m in old and m not in admitted]
     deadline = time.monotonic() + st.options.arrival_timeout_s
     for attempt, sender in enumerate(survivors):
         key = f"{uuid}/state/{attempt}"
@@ -38,6 +40,7 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
         if st.me == sender:
             failed[0] = _send_state(st, key, admitted, members, deadline)
         elif st.me in admitted:
+            st.stateless = True  # until this hand-over completes
             failed[1] = _receive_state(st, key, members.index(sender), deadline)
             _set(st.store, f"{key}/loaded/{st.me}", str(failed[1]))
         if st.me not in admitted:
@@ -139,6 +142,7 @@ def _receive_state(st: State, key: str, src: int, deadline: float) -> int:
     except Exception as exc:
         return refuse(f"{type(exc).__name__}: {exc}")
     st.version = manifest.version
+    st.stateless = False
     return 0
 
 
