@@ -54,7 +54,6 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
         with contextlib.suppress(RecoveryError):
             _add(st.store, "standbys", -1)
         t_admitted = time.monotonic()
-        st.stateless = st.state_dict is not None and bool(decision.get("state"))
         try:
             _apply(st, g, decision, Verdict(status=None, headline=str(decision.get("reason", ""))))
         except HandoverLost as exc:

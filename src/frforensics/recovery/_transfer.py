@@ -14,7 +14,7 @@ from frforensics.verdict import Verdict
 
 
 def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
-    """One survivor's state to every admitted standby, then one agreement all_reduce.
+    """One survivor's state to every receiver (the admitted standbys), then one agreement all_reduce.
 
     The first survivor sends; when its ``state_dict()`` cannot be flattened (it
     raised, or holds what cannot travel) the next one tries. The agreement --
@@ -31,24 +31,24 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
     old = {int(m) for m in decision["old_members"]}
     # receivers: the admitted standbys and any earlier one still without state (its
     # hand-over lost the sender); senders: the members that hold the state
-    admitted = [int(m) for m in decision.get("receivers", [m for m in members if m not in old])]
-    survivors = [m for m in members if m in old and m not in admitted]
+    receivers = [int(m) for m in decision.get("receivers", [m for m in members if m not in old])]
+    survivors = [m for m in members if m in old and m not in receivers]
     deadline = time.monotonic() + st.options.arrival_timeout_s
     for attempt, sender in enumerate(survivors):
         key = f"{uuid}/state/{attempt}"
         failed = [0, 0]  # sender, receiver
         if st.me == sender:
-            failed[0] = _send_state(st, key, admitted, members, deadline)
-        elif st.me in admitted:
+            failed[0] = _send_state(st, key, receivers, members, deadline)
+        elif st.me in receivers:
             st.stateless = True  # until this hand-over completes
             failed[1] = _receive_state(st, key, members.index(sender), deadline)
             _set(st.store, f"{key}/loaded/{st.me}", str(failed[1]))
-        if st.me not in admitted:
+        if st.me not in receivers:
             # The transfer may outlast the group's op timeout (the hang budget): the
             # members not receiving wait for the standbys' word in the store, so the
             # agreement's all_reduce starts when everyone is there.
             end = time.monotonic() + st.options.handover_timeout_s
-            for m in admitted:
+            for m in receivers:
                 if _get(st.store, f"{key}/loaded/{m}", end) is None:
                     _say(st, f"rank {m} did not report its state loaded within "
                              f"{st.options.handover_timeout_s:g} s")
@@ -57,7 +57,7 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         high, low, sender_failed, receiver_failed = (int(x) for x in flags.tolist())
         if receiver_failed:
-            why = _reasons(st, f"{key}/why/", admitted)
+            why = _reasons(st, f"{key}/why/", receivers)
             raise RecoveryFailed(f"a standby could not take the survivors' state: {why}",
                                  [verdict])
         if sender_failed:
@@ -69,8 +69,8 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
             raise RecoveryFailed(f"the members hold different state versions (steps {-low} to "
                                  f"{high}): a survivor finished a step the others failed",
                                  [verdict])
-        if admitted:
-            _say(st, f"state version {high} handed over by rank {sender} to {admitted}")
+        if receivers:
+            _say(st, f"state version {high} handed over by rank {sender} to {receivers}")
         return
     raise RecoveryFailed("no survivor could hand over its state (each one's state_dict() "
                          "failed; see the lines above)", [verdict])
