@@ -266,3 +266,33 @@ def test_a_stride_of_several_late_collectives_per_step_is_recurring_but_spikes_a
     rng = np.random.default_rng(5)
     for _ in range(20):
         assert not _recurs(np.sort(rng.choice(400, size=25, replace=False)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("delay_ms", [5.0, 15.0])
+def test_a_delay_below_the_completion_floor_is_named_from_enqueue_times(delay_ms: float,
+                                                                       seed: int) -> None:
+    # our recorder on gloo: completions polled every 10 ms put the floor at 30 ms; a
+    # rank 5-15 ms late at every step is below it, yet costs the job a large share of
+    # its time: its enqueue times (1 ms floor, as PyTorch's gloo dumps are judged) name it
+    dumps = (job(8, seed=seed).gloo_style().straggler(rank=3, delay_ms=delay_ms)
+             .completion_poll(ms=10).build())
+    report = _analyze(dumps)
+    assert report.culprit_ranks == (3,)
+    [f] = [f for f in report.findings if f.kind is FindingKind.STRAGGLER]
+    assert f.evidence["basis"] == "enqueue"
+    assert "below the 30.0 ms that the dumps' completion times" in f.message
+    assert f.evidence["cost_share"] >= 0.05
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("size", [8, 64])
+def test_noise_below_the_completion_floor_names_no_one(size: int, seed: int) -> None:
+    # the enqueue-time second look is the same rule (sustained, costly): spikes and
+    # jitter under coarse completions stay unnamed
+    dumps = (job(size, seed=seed).gloo_style().jitter(ms=2.0).noise(spiky_ranks=3)
+             .clock_offset(rank=1, ms=80).completion_poll(ms=10).build())
+    assert dumps.expected.status == "healthy"
+    report = _analyze(dumps)
+    assert report.culprit_ranks == () and report.actions == ()
+    assert not [f for f in report.findings if f.kind is FindingKind.STRAGGLER]

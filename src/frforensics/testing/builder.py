@@ -232,7 +232,8 @@ class JobBuilder:
         return self
 
     def gloo_style(self, enabled: bool = True) -> JobBuilder:
-        """Native dumps look like gloo's: no membership, no p2p, state always scheduled."""
+        """Dumps look like gloo's: native ones carry no membership, no p2p and state
+        always scheduled; ours (frdump) groups of backend ``gloo`` and no start times."""
         if enabled and self._nccl is not None:
             raise ValueError("nccl() and gloo_style() exclude each other")
         self._gloo = enabled

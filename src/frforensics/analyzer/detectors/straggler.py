@@ -36,6 +36,14 @@ offset, and a member's previous release as the last arrival at its previous
 collective. Per-rank clock offsets are always estimated (from completions when
 known, which are near-simultaneous on all members) and reported in evidence.
 
+Below the floor: completion times stamped by polling (ours on gloo: every 10 ms)
+cannot show lateness under three resolutions (30 ms), yet a rank 25 ms late at
+every step costs a 20 ms-per-step job a third of its time. When the completions
+name nobody, the same collectives are judged again on their enqueue times with
+the 1 ms floor, exactly as PyTorch's gloo dumps are (clock offsets estimated,
+what-if replay, at most ``MAX_ENQUEUE_ONLY`` rank named) (``_below_the_floor``).
+Not on NCCL dumps, whose enqueue times are the CPU's.
+
 Clocks: on enqueue times only, the estimated offsets absorb lateness that is the
 same at every op (a rank 20 ms late everywhere reads like its host clock 20 ms
 ahead). When that pass names no one, or more ranks than it can tell apart, the
@@ -721,7 +729,7 @@ class _Blame:
     spans: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
-def _floor(t: _Rows) -> float:
+def _floor(t: _Rows | ArrivalTable) -> float:
     """The smallest lateness ever blamed on arrivals: 1 ms, or three times the
     completion-time resolution."""
     return max(FLOOR_NS, 3.0 * t.resolution_ns)
@@ -900,6 +908,10 @@ def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
     blame = _blame(t, a, lambda: _excess(t, think), _floor(t), min_cost,
                    replay=not ctx.job.gpu_states)
     if from_completions:
+        if blame is None or len(blame.flagged) == 0:
+            below = None if ctx.job.gpu_states else _below_the_floor(ctx, base, base_comp)
+            if below is not None:
+                return below, []
         if blame is None:
             return [], []
         notes = _noise_notes(ctx, t, blame, a)
@@ -919,6 +931,22 @@ def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
         return [], notes
     # more candidates than enqueue times can tell apart: one warning naming none
     return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a), notes
+
+
+def _below_the_floor(ctx: Context, t: _Rows, has_comp: BOOL) -> list[Finding] | None:
+    """Completion times too coarse for the delay (module doc, "Below the floor"): the
+    same collectives judged again on their enqueue times with the 1 ms floor, as
+    PyTorch's gloo dumps are, naming at most ``MAX_ENQUEUE_ONLY`` rank; ``None`` when
+    that names nobody (or more ranks than enqueue times can tell apart)."""
+    if _floor(t) <= FLOOR_NS:
+        return None  # the completions' floor is the enqueue basis's: nothing more to see
+    offset = _offsets(t, t.enq.copy())
+    a, think = _lateness_think(t, False, has_comp, offset)
+    blame = _blame(t, a, lambda: _excess(t, think), FLOOR_NS, ctx.options.straggler_min_cost)
+    if blame is None or not 0 < len(blame.flagged) <= MAX_ENQUEUE_ONLY:
+        return None
+    return _findings(ctx, _table(t, False, a, blame.excess, offset), blame, a,
+                     below_floor=True)
 
 
 def _noise_notes(ctx: Context, t: _Rows, blame: _Blame, a: F8) -> list[str]:
@@ -996,7 +1024,7 @@ def _victims(ranks: I8, pos: IX, blame: _Blame) -> list[int]:
 
 
 def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
-              same_clock: bool = False) -> list[Finding]:
+              same_clock: bool = False, below_floor: bool = False) -> list[Finding]:
     """The warnings for ``blame``'s flagged ranks (one naming none when enqueue times
     leave more than ``MAX_ENQUEUE_ONLY`` candidates)."""
     flagged, blamed, count, total = blame.flagged, blame.blamed, blame.count, blame.total
@@ -1008,6 +1036,10 @@ def _findings(ctx: Context, table: ArrivalTable, blame: _Blame, a: F8, *,
     if table.from_completions:
         basis = "completion times" + (f" (resolution {_ms(table.resolution_ns)})"
                                       if table.resolution_ns else "")
+    elif below_floor:
+        basis = (f"enqueue times: its delay is below the {_ms(_floor(table))} that the dumps' "
+                 f"completion times (resolution {_ms(table.resolution_ns)}) can show; clock "
+                 "offsets estimated from arrivals")
     elif same_clock:
         basis = "enqueue times only, taking the hosts' clocks to agree (the dumps carry no " \
                 "completion times)"
