@@ -60,6 +60,14 @@ only estimated once there is something to report (or lateness needs them), and a
 job where no rank is late by the smallest possible threshold at least 3 times stops
 after the lateness. 4096 ranks × 2000 entries take about a second.
 
+Send/recv: on the completion basis, frforensics' dumps add each matched send/recv
+pair (per-peer numbers) as a two-member collective, so a pipeline stage is judged
+from its sends and receives. On gloo those completions are not polled: the
+recorder stamps a send/recv when the program waits on it (``RecordedWork.wait``,
+recorder/_pg.py), so their rows keep the 1 ms floor while polled collectives keep
+three resolutions (``_row_floors``): a 1F1B stage 10 ms slower per microbatch
+(40 ms per step) is named (tests/data/native_workloads/pipeline-slow10-ours).
+
 Worked example (4 ranks, default group; rank 1 sleeps 300 ms before each step)::
 
     step k:  all_reduce #3k+2: ranks 0,2,3 enqueue at t, rank 1 at t+300 ms
@@ -735,11 +743,22 @@ def _floor(t: _Rows | ArrivalTable) -> float:
     return max(FLOOR_NS, 3.0 * t.resolution_ns)
 
 
-def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
+def _row_floors(t: _Rows, exact_p2p: bool) -> float | F8:
+    """:func:`_floor` per row where send/recv completions are exact (module doc,
+    "Send/recv"): 1 ms on those rows, the polled floor on the others."""
+    floor = _floor(t)
+    if not exact_p2p or floor <= FLOOR_NS:
+        return floor
+    is_pair = np.isin(t.op, (SEND_HASH, RECV_HASH))
+    return floor if not is_pair.any() else np.where(is_pair, float(FLOOR_NS), floor)
+
+
+def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float | F8,
            min_cost: float = DEFAULT_MIN_COST, *, replay: bool = True) -> _Blame | None:
     """The straggler rule on lateness ``a`` and excess think time ``excess()`` (module
     doc), for arrivals and GPU durations alike; ``None`` when no rank stands out
-    at all (noise that stands out is in ``noise``, with ``flagged`` empty)."""
+    at all (noise that stands out is in ``noise``, with ``flagged`` empty).
+    ``floor`` is one value or one per row (:func:`_row_floors`)."""
     # the threshold is never below ``floor``: a rank that is not even late by that much
     # MIN_BLAMED times cannot be blamed that often, so a healthy job stops here (and
     # ``excess`` is never computed)
@@ -751,8 +770,9 @@ def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
     if len(finite) == 0:
         return None
     mad = float(np.median(np.abs(finite - np.median(finite))))
-    threshold = max(floor, SIGMAS * 1.4826 * mad)
-    blamed = (e > threshold) & (a > threshold)
+    thr = np.maximum(floor, SIGMAS * 1.4826 * mad)  # per row where the floor is
+    threshold = float(np.min(thr))
+    blamed = (e > thr) & (a > thr)
     total = np.bincount(t.pos, weights=~np.isnan(e), minlength=n_ranks)
     count = np.bincount(t.pos, weights=blamed, minlength=n_ranks)
     typical = float(np.median(count))
@@ -775,14 +795,14 @@ def _blame(t: _Rows, a: F8, excess: Callable[[], F8], floor: float,
             # lateness at the receive after it, rarely both on one row: removing
             # min(lateness, excess) on blamed rows only saved 44 % of a job whose
             # fault-free rerun is 90 % shorter; docs/detectors.md, "costly".)
-            removed = np.where((t.pos == p) & (e > threshold), e, 0.0)
+            removed = np.where((t.pos == p) & (e > thr), e, 0.0)
             before, after = replay_spans(t.pos, t.seg, *clock, np.nan_to_num(removed),
                                              tolerance_ns=2.0 * _floor(t))
             if before > 0:
                 spans[p] = (before, after)
                 cost[p] = max(0.0, (before - after) / before)
     keep = np.asarray([bool(sustained[p]) and cost[p] >= min_cost for p in standing.tolist()])
-    return _Blame(e, threshold, blamed, (a > threshold) & ~blamed, count, total, standing[keep],
+    return _Blame(e, threshold, blamed, (a > thr) & ~blamed, count, total, standing[keep],
                   cost, sustained, standing[~keep], min_cost, spans)
 
 
@@ -905,7 +925,8 @@ def _judge(ctx: Context) -> tuple[list[Finding], list[str]]:
     a, think = _lateness_think(t, from_completions, has_comp, offset)
     # NCCL: enqueue times are the CPU's and completions the watchdog's polls, no
     # dependency graph to replay; there the cost is the lateness's share
-    blame = _blame(t, a, lambda: _excess(t, think), _floor(t), min_cost,
+    floor = _row_floors(t, exact_p2p=from_completions and not ctx.job.gpu_states)
+    blame = _blame(t, a, lambda: _excess(t, think), floor, min_cost,
                    replay=not ctx.job.gpu_states)
     if from_completions:
         if blame is None or len(blame.flagged) == 0:
