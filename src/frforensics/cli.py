@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
@@ -151,25 +151,22 @@ def analyze(
     if window is None:
         window = DASK_WINDOW if dask is not None else 0
     cut = window or None
-    if dask is not None:
-        from frforensics.analyzer.cluster import load_dumps_dask, read_manifest
+    with _Phases(enabled=show_progress) as phases:
+        if dask is not None:
+            from frforensics.analyzer.cluster import load_dumps_dask, read_manifest
 
-        hosts = None if manifest is None else read_manifest(manifest)
-        dumps = _with_progress(
-            lambda cb: load_dumps_dask([str(p) for p in paths], dask, prefix=prefix,
-                                       manifest=hosts, host_deadline_s=host_deadline, progress=cb,
-                                       window=cut),
-            enabled=show_progress,
-            what="decoding dumps on the cluster",
-        )
-    else:
-        dumps = _with_progress(
-            lambda cb: load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs, progress=cb,
-                                  window=cut, deadline_s=deadline),
-            enabled=show_progress,
-            what="decoding dumps",
-        )
-    report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size, hang_after_s=hang_after))
+            hosts = None if manifest is None else read_manifest(manifest)
+            dumps = load_dumps_dask([str(p) for p in paths], dask, prefix=prefix,
+                                    manifest=hosts, host_deadline_s=host_deadline,
+                                    progress=phases.reading("decoding dumps on the cluster"),
+                                    window=cut)
+        else:
+            dumps = load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs,
+                               progress=phases.reading("decoding dumps"), window=cut,
+                               deadline_s=deadline)
+        report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size,
+                                                            hang_after_s=hang_after),
+                              progress=phases.analyzing)
     if output_dir is not None:
         from frforensics.analyzer.timeline import write_timeline_file
         from frforensics.reporting import write_all
@@ -335,6 +332,71 @@ def _with_progress(
     finally:
         if task:
             bar.stop()
+
+
+class _Phases:
+    """The analysis's progress on a terminal: one line per phase (reading the dumps,
+    then analyzing them), each with its count, elapsed time and an estimate of the
+    time left, on stderr and transient.
+
+    Shown only when ``enabled`` and the job has at least ``PROGRESS_MIN_FILES``
+    files (small loads and the output that follows stay clean); the analysis line
+    follows only a shown reading line.
+    """
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+        self.read_task: TaskID | None = None
+        self.analyze_task: TaskID | None = None
+
+    def __enter__(self) -> _Phases:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def reading(self, what: str) -> Callable[[int, int], None] | None:
+        """The progress callback of a load (``None`` when nothing is shown)."""
+        if not self.enabled:
+            return None
+
+        def update(done: int, total: int) -> None:
+            if self.read_task is None:
+                if total < PROGRESS_MIN_FILES:
+                    return
+                self._start()
+                self.read_task = self.bar.add_task(what, total=total)
+            self.bar.update(self.read_task, completed=done, total=total)
+
+        return update
+
+    def analyzing(self, phase: str, done: int, total: int) -> None:
+        """The analysis's progress callback (``analyze(..., progress=)``)."""
+        if self.bar is None:
+            return
+        if self.analyze_task is None:
+            self.analyze_task = self.bar.add_task("analyzing", total=total)
+        self.bar.update(self.analyze_task, completed=done, total=total,
+                        description=f"analyzing: {phase}")
+
+    def _start(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(),
+                            TextColumn("left"), TimeRemainingColumn(),
+                            transient=True, console=Console(stderr=True))
+        self.bar.start()
 
 
 def _route_default(argv: list[str]) -> list[str]:

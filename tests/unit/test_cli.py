@@ -93,3 +93,54 @@ def test_window_cuts_the_rings_and_keeps_the_verdict() -> None:
     assert cut.returncode == 1 and report["culprit_ranks"] == whole["culprit_ranks"] == [2]
     assert any("--window 4" in note for note in report["notes"])
     assert not any("--window" in note for note in whole["notes"])
+
+
+def test_the_analysis_reports_its_phases_in_order_to_a_progress_callback() -> None:
+    from frforensics.analyzer import analyze, load_dumps
+
+    seen: list[tuple[str, int, int]] = []
+    report = analyze(load_dumps([str(DATA / "missing_rank" / "pickle")]),
+                     progress=lambda phase, done, total: seen.append((phase, done, total)))
+    assert report.culprit_ranks == (2,)
+    total = seen[0][2]
+    assert [d for _, d, _ in seen] == list(range(1, total + 1))
+    assert {t for _, _, t in seen} == {total}
+    phases = [p for p, _, _ in seen]
+    assert phases[0].startswith("merged 4 ranks, 1 groups") and phases[1] == "wait graph"
+    assert "rule missing_rank" in phases and phases[-2:] == ["verdict", "timeline"]
+
+
+def test_the_terminal_shows_reading_then_analyzing_with_counts_and_time_left(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from rich.console import Console
+
+    from frforensics import cli
+
+    out = io.StringIO()
+    real = Console
+
+    def console(**kw: object) -> Console:
+        return real(file=out, force_terminal=True, width=120)
+
+    monkeypatch.setattr("rich.console.Console", console)
+    with cli._Phases(enabled=True) as phases:
+        read = phases.reading("decoding dumps")
+        assert read is not None
+        for done in range(0, 21, 5):
+            read(done, 20)
+        phases.analyzing("wait graph", 2, 15)
+        shown = [phases.bar.tasks[i].description for i in (0, 1)]
+        counts = [(t.completed, t.total) for t in phases.bar.tasks]
+    assert shown == ["decoding dumps", "analyzing: wait graph"]
+    assert counts == [(20, 20), (2, 15)]
+    assert "left" in out.getvalue()
+    # small loads, pipes and --no-progress: nothing at all
+    with cli._Phases(enabled=True) as small:
+        small_read = small.reading("decoding dumps")
+        assert small_read is not None
+        small_read(3, 3)
+        small.analyzing("wait graph", 2, 15)
+        assert small.bar is None
+    assert cli._Phases(enabled=False).reading("decoding dumps") is None

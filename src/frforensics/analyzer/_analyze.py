@@ -6,6 +6,7 @@ drawn timeline put together into the :class:`~frforensics.report.Report`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from frforensics._gc import gc_paused
@@ -46,15 +47,32 @@ _KIND_ORDER = [
 ]
 
 
-def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None) -> Report:
-    """Analyze a loaded :class:`DumpSet` and return the :class:`Report`."""
+#: ``progress(phase, done, total)``: the analysis's phases as they end (merge, wait
+#: graph, each rule, verdict, timeline); ``phase`` names the one just done.
+Progress = Callable[[str, int, int], None]
+
+
+def analyze(dumps: DumpSet, *, options: AnalyzeOptions | None = None,
+            progress: Progress | None = None) -> Report:
+    """Analyze a loaded :class:`DumpSet` and return the :class:`Report`.
+
+    ``progress``, when given, is called after each phase (for a display: the CLI's
+    progress bar on a terminal)."""
     # the digests are millions of long-lived objects at scale: a collection
     # rescans them all (20 % of the analysis at 4096 ranks); no cycles are made
     with gc_paused():
-        return _analyze(dumps, options or AnalyzeOptions())
+        return _analyze(dumps, options or AnalyzeOptions(), progress or _no_progress)
 
 
-def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
+def _no_progress(phase: str, done: int, total: int) -> None:
+    return None
+
+
+#: phases besides the rules: merge, wait graph, verdict, timeline
+_FIXED_PHASES = 4
+
+
+def _analyze(dumps: DumpSet, options: AnalyzeOptions, progress: Progress) -> Report:
     if not dumps.digests:
         return Report(
             world_size=options.world_size,
@@ -67,12 +85,16 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
             notes=("no readable dump found",),
             unreadable=True,
         )
+    total = len(DETECTORS) + _FIXED_PHASES
     job = build_job(dumps.digests, world_size=options.world_size)
+    progress(f"merged {len(job.digests)} ranks, {len(job.groups)} groups", 1, total)
     graph = build_wait_graph(job, hang_after_s=options.hang_after_s)
+    progress("wait graph", 2, total)
     ctx = Context.build(job, graph, options)
     findings: list[Finding] = []
-    for detector in DETECTORS:
+    for i, detector in enumerate(DETECTORS):
         findings.extend(detector(ctx))
+        progress(f"rule {detector.__module__.rsplit('.', 1)[-1]}", 3 + i, total)
     findings, beside = settle(ctx, findings, unread=dumps.unread_ranks)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
@@ -111,10 +133,13 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions) -> Report:
     )
     # Only the HTML report draws timelines, of at most options.timeline_ranks ranks:
     # a large job builds them for those ranks only (half a million ops at 16k ranks)
+    progress("verdict", total - 1, total)
     ranks = None
     if len(job.digests) > 8 * options.timeline_ranks:
         ranks = timeline_ranks(report, job.digests, options.timeline_ranks)
-    return replace(report, timeline=_timeline(ctx, ranks))
+    report = replace(report, timeline=_timeline(ctx, ranks))
+    progress("timeline", total, total)
+    return report
 
 
 def _timeline(ctx: Context, ranks: list[int] | None = None) -> tuple[RankTimeline, ...]:
