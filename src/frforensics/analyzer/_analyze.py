@@ -48,7 +48,7 @@ _KIND_ORDER = [
 
 
 #: ``progress(phase, done, total)``: the analysis's phases as they end (merge, wait
-#: graph, each rule, verdict, timeline); ``phase`` names the one just done.
+#: graph, signature pass, each rule, verdict, timeline); ``phase`` names the one just done.
 Progress = Callable[[str, int, int], None]
 
 
@@ -68,8 +68,8 @@ def _no_progress(phase: str, done: int, total: int) -> None:
     return None
 
 
-#: phases besides the rules: merge, wait graph, verdict, timeline
-_FIXED_PHASES = 4
+#: phases besides the rules: merge, wait graph, signature pass, verdict, timeline
+_FIXED_PHASES = 5
 
 
 def _analyze(dumps: DumpSet, options: AnalyzeOptions, progress: Progress) -> Report:
@@ -91,10 +91,11 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions, progress: Progress) -> Rep
     graph = build_wait_graph(job, hang_after_s=options.hang_after_s)
     progress("wait graph", 2, total)
     ctx = Context.build(job, graph, options)
+    progress("signature pass", 3, total)
     findings: list[Finding] = []
     for i, detector in enumerate(DETECTORS):
         findings.extend(detector(ctx))
-        progress(f"rule {detector.__module__.rsplit('.', 1)[-1]}", 3 + i, total)
+        progress(f"rule {detector.__module__.rsplit('.', 1)[-1]}", 4 + i, total)
     findings, beside = settle(ctx, findings, unread=dumps.unread_ranks)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),
                                  -len(f.waiting_ranks)))
