@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,3 +99,77 @@ def test_the_headline_code_line_says_where_the_culprit_is_then_the_op() -> None:
     assert "(called from " in code[0] and ":90 in missing_rank)" in code[0]
     after = text.splitlines()[text.splitlines().index(code[0]) + 1]
     assert "never joined all_reduce #5" in after and "make_samples.py:73 in step_all_reduce" in after
+
+
+# Issue 29, case 3: Lightning DDP, rank 1 os._exit(1)s between two ops and leaves no
+# dump (tests/data/native_frontiers/README.md, "A rank that dies between ops").
+
+def _native(case: str) -> dict[int, dict[str, Any]]:
+    from frforensics.formats.native import decode_pickle
+
+    return {int(p.name.rsplit("_", 1)[1]): decode_pickle(p.read_bytes())
+            for p in sorted((DATA / case).iterdir()) if p.name.startswith("nccl_trace_rank_")}
+
+
+def test_lightning_survivors_read_as_a_healthy_prefix_in_pytorchs_dumps() -> None:
+    # Why PyTorch's dumps cannot name rank 1: the survivors' failed barrier #30 is
+    # retired, and their dumps are the healthy run's first 30 entries in every field
+    # but the creation time (and the process-local thread id) - what a healthy job
+    # dumped between #30 and #31, with rank 1's file not collected, would hold.
+    died, healthy = _native("lightning_exit"), _native("lightning_none")
+    assert sorted(died) == [0, 2, 3]
+    for rank, doc in died.items():
+        entries = doc["entries"]
+        assert [(e["collective_seq_id"], e["profiling_name"], e["retired"])
+                for e in entries[-2:]] == [(29, "gloo:broadcast", True), (30, "gloo:barrier", True)]
+        assert doc["pg_status"]["0"]["last_completed_collective"] == 30
+        prefix = healthy[rank]["entries"][:len(entries)]
+        own = ("time_created_ns", "thread_id")
+        strip = [{k: v for k, v in e.items() if k not in own} for e in entries]
+        assert strip == [{k: v for k, v in e.items() if k not in own} for e in prefix]
+
+
+@pytest.mark.parametrize("case", ["lightning_exit", "lightning_stacks/exit"])
+def test_lightning_dead_rank_never_gets_a_survivor_named(tmp_path: Path, case: str) -> None:
+    # a wrong culprit is worse than none: today no culprit (a missing_dump warning
+    # naming rank 1); a rule that names someone may name rank 1 alone
+    report = _report(tmp_path, case, "native")
+    assert set(report.culprit_ranks) <= {1}, [f.message for f in report.findings]
+    assert report.status.value != "healthy"
+    missing = [f for f in report.findings if f.kind is FindingKind.MISSING_DUMP]
+    assert missing and (1 in missing[0].culprit_ranks or missing[0].evidence.get("ranks") == [1])
+
+
+def test_lightning_dead_rank_from_our_dumps_is_rank_1(tmp_path: Path) -> None:
+    report = _report(tmp_path, "lightning_exit", "ours")
+    assert report.culprit_ranks == (1,), [f.message for f in report.findings]
+    assert report.findings[0].kind is FindingKind.DEAD_RANK
+
+
+@pytest.mark.parametrize("case", ["lightning_none", "lightning_stacks/none"])
+def test_lightning_healthy_runs_stay_healthy(tmp_path: Path, case: str) -> None:
+    report = _report(tmp_path, case, "native")
+    assert report.status.value == "healthy" and report.culprit_ranks == ()
+    assert report.findings == ()
+
+
+def test_lightning_survivors_stopped_inside_one_call_in_pytorchs_own_dumps() -> None:
+    # The signal the dumps above lack (the recorder saves PyTorch's dumps without
+    # stack traces): PyTorch's default dump has them, and there every survivor's
+    # newest op is sync_dist's barrier (_sync_ddp, line 213), each earlier instance of
+    # which was followed by the all_reduce at line 214 of the same call. A finished
+    # job stops after a call returned: the healthy run's newest op is the backward's
+    # all_reduce, followed before by the next step's broadcast (another function).
+    def frame(e: dict[str, Any]) -> tuple[str, int]:
+        f = e["frames"][2]  # under torch.distributed's own two frames
+        return f["name"], f["line"]
+
+    for case, stop, after in (("lightning_stacks/exit", ("_sync_ddp", 213), ("_sync_ddp", 214)),
+                              ("lightning_stacks/none", ("backward", 623),
+                               ("_broadcast_sigterm_tensor", 265))):
+        for doc in _native(case).values():
+            entries = doc["entries"]
+            assert frame(entries[-1]) == stop
+            earlier = [i for i, e in enumerate(entries[:-1]) if e["frames"] == entries[-1]["frames"]]
+            assert len(earlier) >= 3
+            assert {frame(entries[i + 1]) for i in earlier} == {after}
