@@ -41,6 +41,7 @@ __all__ = [
     "RankTrace",
     "SourceFormat",
     "ThreadStack",
+    "is_library_file",
     "user_frame",
 ]
 
@@ -106,14 +107,15 @@ _LIBRARY_MARKERS: Final = (
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _is_library_file(file: str) -> bool:
+def is_library_file(file: str) -> bool:
+    """Whether ``file`` is library plumbing (torch's, ours), not the user's code."""
     return any(marker in file for marker in _LIBRARY_MARKERS)
 
 
 def user_frame(frames: tuple[Frame, ...]) -> Frame | None:
     """The innermost frame in the user's code (outside torch and frforensics)."""
     for frame in frames:
-        if not _is_library_file(frame.file):
+        if not is_library_file(frame.file):
             return frame
     return frames[0] if frames else None
 

@@ -35,20 +35,11 @@ pytestmark = [pytest.mark.frameworks]
 _MODULES = {"lightning": "lightning", "hf_trainer": "transformers", "accelerate": "accelerate"}
 
 #: Verdicts wrong in some runs, with the cause (never strict: they turn on races in
-#: gloo). Measured on torch 2.13.0 (docs/workloads.md, "The framework corpus").
-_ALL_RETIRED = ("PyTorch's gloo dumps: rank 1 died without a dump right after Lightning's "
-                "SIGTERM-flag broadcast #29; every survivor's next op, sync_dist's barrier #30, "
-                "failed and was retired like a completed one (gloo's recorder does so): the "
-                "survivors' dumps are, in every field but time_created_ns and thread_id, a "
-                "healthy run's first 30 entries (6 of 6 runs, exit and kill), as a healthy job "
-                "dumped between #30 and #31 with rank 1's file not collected - a missing_dump "
-                "warning, no culprit (ours: rank 1). PyTorch's default dumps, with stack "
-                "traces, show the stop inside _sync_ddp; the recorder saves them without "
-                "(tests/data/native_frontiers/README.md, docs/detectors.md)")
-WRONG_TODAY: dict[tuple[str, str, str], str] = {
-    ("lightning", "exit", "native"): _ALL_RETIRED,
-    ("lightning", "kill", "native"): _ALL_RETIRED,
-}
+#: gloo). Measured on torch 2.13.0 (docs/workloads.md, "The framework corpus"). None
+#: today: Lightning's exit/kill from PyTorch's dumps (every survivor's failed barrier
+#: retired) are named since the recorder saves PyTorch's dumps with their stacks and
+#: the survivors are read as stopped inside one call (docs/detectors.md).
+WRONG_TODAY: dict[tuple[str, str, str], str] = {}
 
 
 def _params() -> list[Any]:

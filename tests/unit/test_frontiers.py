@@ -173,3 +173,38 @@ def test_lightning_survivors_stopped_inside_one_call_in_pytorchs_own_dumps() -> 
             earlier = [i for i, e in enumerate(entries[:-1]) if e["frames"] == entries[-1]["frames"]]
             assert len(earlier) >= 3
             assert {frame(entries[i + 1]) for i in earlier} == {after}
+
+
+def test_lightning_dead_rank_is_named_where_the_survivors_stopped_inside_one_call(
+        tmp_path: Path) -> None:
+    # PyTorch's own default dumps (stacks on): every survivor's newest op, retired, was
+    # issued inside _sync_ddp, which each earlier time went on to the all_reduce at
+    # line 214: a program that ran to its end does not stop there (digest.stopped_in_call)
+    report = _report(tmp_path, "lightning_stacks/exit", "native")
+    assert report.status.value == "hang" and report.culprit_ranks == (1,)
+    [f] = report.findings
+    assert f.kind is FindingKind.MISSING_DUMP and f.evidence["confidence"] == "medium"
+    call = f.evidence["stopped_in_call"]
+    assert call["at"].endswith("distributed.py:213 in _sync_ddp")
+    assert call["always_went_on_to"].endswith("distributed.py:214 in _sync_ddp")
+    assert [(a.rank, a.action) for a in report.actions] == [(1, "inspect")]
+    # without stacks (the same death, dumps saved without them) nothing says so
+    (tmp_path / "no_stacks").mkdir()
+    assert _report(tmp_path / "no_stacks", "lightning_exit", "native").culprit_ranks == ()
+
+
+@pytest.mark.parametrize("case", ["lightning_stacks/none", "lightning_none"])
+def test_a_finished_job_with_a_file_missing_is_not_read_as_stopped_in_a_call(
+        tmp_path: Path, case: str) -> None:
+    # the healthy run's newest op is the backward's all_reduce, after which the call
+    # returned each earlier time: no rank is named for its missing file on that ground
+    from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
+
+    for drop in range(4):
+        keep = tmp_path / f"{case.replace('/', '-')}-{drop}"
+        keep.mkdir()
+        for p in (DATA / case).iterdir():
+            if p.name.startswith("nccl_trace_rank_") and not p.name.endswith(f"_{drop}"):
+                (keep / p.name).write_bytes(p.read_bytes())
+        report = analyze(load_dumps([keep]), options=AnalyzeOptions(world_size=4))
+        assert not any("stopped_in_call" in f.evidence for f in report.findings)

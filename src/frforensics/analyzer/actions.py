@@ -35,7 +35,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from frforensics.analyzer.context import Context
-from frforensics.model import _is_library_file
+from frforensics.model import is_library_file
 from frforensics.report import Action, Finding, FindingKind, RankFacts, code_sides
 
 __all__ = ["action_for", "derive_actions"]
@@ -60,7 +60,7 @@ _INSTALLED = re.compile(r"/lib/python\d+(\.\d+)?/|[/\\](site|dist)-packages[/\\]
 
 
 def _is_program_code(file: str) -> bool:
-    return not (_is_library_file(file) or _INSTALLED.search(file) or file.startswith("<"))
+    return not (is_library_file(file) or _INSTALLED.search(file) or file.startswith("<"))
 
 
 def _main_frames(ctx: Context, rank: int) -> tuple[str, bool] | None:

@@ -38,6 +38,7 @@ from frforensics.model import (
     HeaderFields,
     OpState,
     RankTrace,
+    is_library_file,
     user_frame,
 )
 
@@ -206,6 +207,10 @@ class RankDigest(HeaderFields):
     #: member order, for the all_to_all entries whose dump recorded them (our
     #: recorder's ``splits`` column); ``None``: none did
     splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None = None
+    #: the rank's newest op was issued inside a call that always went on to another
+    #: op (:func:`stopped_in_call`): ``"where it stopped -> where the call went on"``;
+    #: ``None``: not so, or the dump has no stacks
+    stopped_in_call: str | None = None
 
     @property
     def format(self) -> str:
@@ -617,8 +622,51 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         gpu_states=gpu_states,
         duration_ns=duration,
         splits=_splits(trace),
+        stopped_in_call=stopped_in_call(trace),
     )
     return out if window is None else windowed(out, window, e.record_id)
+
+
+#: earlier calls from the newest op's call site that :func:`stopped_in_call` needs
+MID_CALL_MIN: Final = 2
+
+
+def _call_of(frames: tuple[Frame, ...]) -> tuple[Frame | None, tuple[Any, ...]]:
+    """The user frame of a stack (innermost outside torch) and the call it is in:
+    its function and file with every outer frame (``None`` frame: no user frame)."""
+    for i, frame in enumerate(frames):
+        if not is_library_file(frame.file):
+            return frame, (frame.file, frame.name, frames[i + 1:])
+    return None, ()
+
+
+def stopped_in_call(trace: RankTrace) -> str | None:
+    """Whether the rank's newest entry was issued inside a function call that, every
+    earlier time, went on to issue another op (issue 29: a framework's ``_sync_ddp``
+    issues a barrier, then an all_reduce). Every earlier entry with the newest one's
+    whole stack (at least ``MID_CALL_MIN``) must be followed, as the rank's next entry,
+    by one issued from the same call — the same function and the same callers, at a
+    later line. A program that ran to its end returns from its calls; one that stopped
+    in the middle of one failed there, or was stopped (``missing_dump``'s use of it).
+    Returns ``"<where it stopped> -> <where the call went on>"``, or ``None``."""
+    stack = trace.entries.stack
+    n = len(stack)
+    last = int(stack[-1]) if n else -1
+    if n < MID_CALL_MIN + 1 or not 0 <= last < len(trace.stacks):
+        return None
+    frame, call = _call_of(trace.stack(last))
+    earlier = np.flatnonzero(stack[:-1] == last)
+    if frame is None or len(earlier) < MID_CALL_MIN:
+        return None
+    went_on: set[Frame] = set()
+    for nxt in np.unique(stack[earlier + 1]).tolist():
+        if not 0 <= nxt < len(trace.stacks):
+            return None
+        then, then_call = _call_of(trace.stack(int(nxt)))
+        if then is None or then_call != call or then.line <= frame.line:
+            return None
+        went_on.add(then)
+    return f"{frame} -> {', '.join(sorted(map(str, went_on)))}"
 
 
 #: the most members a recorded split list may name (a longer one is not read)

@@ -960,6 +960,8 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
                               f"{type(value).__name__}")
     if d.splits is not None:
         _check_splits(d.splits, r, n, limits)
+    if d.stopped_in_call is not None and not _text_ok(d.stopped_in_call, limits):
+        raise _bad(r, "stopped_in_call is not a string")
 
 
 def _check_splits(splits: Any, r: int, n: int, limits: Limits) -> None:

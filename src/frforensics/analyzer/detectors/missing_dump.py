@@ -21,7 +21,17 @@ one, so a crash there reads exactly like a healthy job dumped mid-op whose file
 was not collected (both measured: ``tests/data/native_crash``,
 ``tests/data/native/healthy`` minus one file); the message says so, and that
 collecting the missing file settles it. A job whose dumped ranks all finished
-their newest op never qualifies.
+their newest op qualifies only when every one of them issued it inside the same
+function call that each earlier time went on to another op (``medium``, evidence
+``stopped_in_call``: PyTorch's dumps with stacks; a program that ran to its end
+returns from its calls, ``digest.stopped_in_call``).
+
+Worked example (PyTorch's gloo dumps with stacks; Lightning, rank 1 ``os._exit``s
+after broadcast #29)::
+
+    ranks 0,2,3: newest op barrier #30, retired, issued at _sync_ddp:213, whose 3
+    earlier calls each went on to the all_reduce at _sync_ddp:214; rank 1: no file
+    -> missing_dump, error, culprit 1, evidence.confidence medium
 
 Worked example (PyTorch's gloo dumps; rank 1 ``os._exit``s before all_reduce #4)::
 
@@ -140,12 +150,12 @@ def detect(ctx: Context) -> list[Finding]:
         findings.append(stopped_finding(ctx, stopped, blamed))
     stop = _common_stop(ctx, silent) if silent else None
     if stop is not None:
-        gid, seq, op, location, at, stuck = stop
+        gid, seq, op, location, at, how = stop
         lost_at = sorted(r for r in silent if r in at)
         silent = [r for r in silent if r not in at]
         others = sorted(ctx.job.digests)
         findings.append(_common_stop_finding(ctx, lost_at, others, gid, seq, op, location,
-                                             stuck))
+                                             how))
     if silent:
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
@@ -183,19 +193,31 @@ def _retired_by_some(ctx: Context, wait: Wait) -> bool:
 
 
 def _common_stop_finding(ctx: Context, stopped: list[int], others: list[int], gid: int,
-                         seq: int, op: str, location: str | None, stuck: bool) -> Finding:
+                         seq: int, op: str, location: str | None, how: str) -> Finding:
     """The missing member(s) of the op where every dumped rank stopped: the culprit
     of a hang, with how sure (issue 19: a missing file among ranks that all stopped
-    at one op is evidence). ``stuck``: the op is unfinished on every dumped rank
-    (confidence high); else on some only (medium: PyTorch's gloo recorder retires a
-    failed op as it retires a completed one, so a healthy job dumped mid-op whose
-    file was not collected reads the same)."""
+    at one op is evidence). ``how`` (``_common_stop``): ``stuck``, the op is
+    unfinished on every dumped rank (confidence high); ``some``, on some only
+    (medium: PyTorch's gloo recorder retires a failed op as it retires a completed
+    one, so a healthy job dumped mid-op whose file was not collected reads the
+    same); ``mid_call:...``, retired on all, but every one stopped inside a call
+    that always went on (medium, the same doubt)."""
     where = f"{op} #{seq} on {ctx.pg_label(gid)}"
-    if stuck:
+    evidence: dict[str, object] = {}
+    if how == "stuck":
         state = f"stopped at the same unfinished {where}"
         sure = ("every dumped member agrees on where the job stopped and is stuck there, so "
                 "the hang is certain; that the missing rank caused it rests on its missing "
                 "file")
+    elif how.startswith("mid_call:"):
+        site, _, went_on = how.removeprefix("mid_call:").partition(" -> ")
+        evidence["stopped_in_call"] = {"at": site, "always_went_on_to": went_on}
+        state = (f"stopped at the same {where}, retired on all of them, issued at {site}: "
+                 f"inside a call that each earlier time went on to {went_on}, where a program "
+                 "that ran to its end does not stop")
+        sure = ("medium: the dumps hold no death (PyTorch's gloo recorder records none), and "
+                "a healthy job dumped in the middle of that call whose file was not collected "
+                "would read the same")
     else:
         state = (f"stopped at the same {where} (unfinished on some of them, retired on the "
                  "others: gloo retires a failed op as it retires a completed one)")
@@ -217,13 +239,13 @@ def _common_stop_finding(ctx: Context, stopped: list[int], others: list[int], gi
         op=op,
         location=location,
         evidence={"basis": "missing_dump_at_common_stop",
-                  "confidence": "high" if stuck else "medium",
-                  "stopped_ranks": others, "missing": stopped},
+                  "confidence": "high" if how == "stuck" else "medium",
+                  "stopped_ranks": others, "missing": stopped, **evidence},
     )
 
 
 def _common_stop(ctx: Context, missing: list[int]
-                 ) -> tuple[int, int, str, str | None, set[int], bool] | None:
+                 ) -> tuple[int, int, str, str | None, set[int], str] | None:
     """Where every dumped rank stopped, when it is one unfinished collective that
     some of ``missing`` belong to: ``(gid, seq, op, location, those missing ranks)``.
 
@@ -235,13 +257,18 @@ def _common_stop(ctx: Context, missing: list[int]
     ``os._exit``s before all_reduce #4 left ranks 0, 3 with #4 unretired and rank 2
     with it retired — and a healthy job dumped mid-op shows the same, see
     ``tests/data/native/healthy``). A job whose ranks all finished their last op (a
-    healthy job with a file not collected) never qualifies.
+    healthy job with a file not collected) never qualifies — unless every one of them
+    stopped inside the same function call that, each earlier time, went on to another
+    op (``digest.stopped_in_call``; PyTorch's dumps with stacks, issue 29): how is then
+    ``"mid_call:<where -> where it went on>"``; else ``"stuck"`` (unfinished on every
+    dumped rank) or ``"some"``.
     """
     if len(ctx.job.digests) < 2 or not ctx.job.silent_listed or ctx.graph.young:
         return None
     stops: set[tuple[int, int]] = set()
     first = None
     unfinished = 0
+    mid_call: set[str] = set()
     for rank, d in ctx.job.digests.items():
         rows = np.flatnonzero(d.is_p2p == 0)
         if len(rows) == 0:
@@ -250,14 +277,24 @@ def _common_stop(ctx: Context, missing: list[int]
         if int(d.state[d.unit_of(row)]) != OpState.COMPLETED:
             unfinished += 1
             first = (rank, row)
+        elif d.stopped_in_call is not None and row == len(d) - 1:
+            mid_call.add(d.stopped_in_call)
         gid = ctx.job.group_of.get((rank, int(d.group[row])))
         if gid is None:
             return None
         stops.add((gid, int(d.seq[row])))
         if len(stops) > 1:
             return None
+    how = "stuck" if unfinished == len(ctx.job.digests) else "some" if unfinished else ""
     if not unfinished:
-        return None  # every rank finished its last op: nothing stopped there
+        # every rank finished its last op: nothing stopped there, unless every one
+        # stopped inside the same call, where the program always went on (a program
+        # that ran to its end returns from its calls: digest.stopped_in_call)
+        if len(mid_call) != 1 or any(d.stopped_in_call is None
+                                     for d in ctx.job.digests.values()):
+            return None
+        how = "mid_call"
+        first = (rank, row)  # any dumped rank's newest op: the same collective on all
     gid, seq = stops.pop()
     group = ctx.job.groups[gid]
     members = set(group.ranks)
@@ -269,7 +306,7 @@ def _common_stop(ctx: Context, missing: list[int]
     detail = d.detail(first[1])
     op = d.op_names.get(int(d.op_hash[first[1]]), "?")
     return (gid, seq, op, None if detail is None else detail.location, at,
-            unfinished == len(ctx.job.digests))
+            how if how != "mid_call" else f"mid_call:{mid_call.pop()}")
 
 
 def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
