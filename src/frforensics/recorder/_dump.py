@@ -316,14 +316,16 @@ class DumpWriter:
                 with contextlib.suppress(Exception):
                     log.warning("frforensics: rank %s dumped (%s) to %s", trace.rank,
                                 reason.value, path)
-            if native and rec.config.save_native:
-                self.save_native()
             written = DumpWritten(path=path, reason=reason, trace=trace, automatic=automatic)
             for hook in list(self.post_dump_hooks):
                 try:
                     hook(written)
                 except Exception as exc:
                     rec.note_error("post-dump hook", exc)
+            # after the hooks (the verdict's hand-over): PyTorch's dump with its stacks
+            # costs ~1 s on a process's first dump (symbolizing), ours is what counts
+            if native and rec.config.save_native:
+                self.save_native()
             return path
         except Exception as exc:
             rec.note_error("dump", exc)
