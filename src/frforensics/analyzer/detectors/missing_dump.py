@@ -150,12 +150,12 @@ def detect(ctx: Context) -> list[Finding]:
         findings.append(stopped_finding(ctx, stopped, blamed))
     stop = _common_stop(ctx, silent) if silent else None
     if stop is not None:
-        gid, seq, op, location, at, how = stop
+        gid, seq, op, location, at, how, call = stop
         lost_at = sorted(r for r in silent if r in at)
         silent = [r for r in silent if r not in at]
         others = sorted(ctx.job.digests)
         findings.append(_common_stop_finding(ctx, lost_at, others, gid, seq, op, location,
-                                             how))
+                                             how, call))
     if silent:
         findings.append(Finding(
             kind=FindingKind.MISSING_DUMP,
@@ -193,15 +193,16 @@ def _retired_by_some(ctx: Context, wait: Wait) -> bool:
 
 
 def _common_stop_finding(ctx: Context, stopped: list[int], others: list[int], gid: int,
-                         seq: int, op: str, location: str | None, how: str) -> Finding:
+                         seq: int, op: str, location: str | None, how: str,
+                         call: str | None) -> Finding:
     """The missing member(s) of the op where every dumped rank stopped: the culprit
     of a hang, with how sure (issue 19: a missing file among ranks that all stopped
     at one op is evidence). ``how`` (``_common_stop``): ``stuck``, the op is
     unfinished on every dumped rank (confidence high); ``some``, on some only
     (medium: PyTorch's gloo recorder retires a failed op as it retires a completed
     one, so a healthy job dumped mid-op whose file was not collected reads the
-    same); ``mid_call:...``, retired on all, but every one stopped inside a call
-    that always went on (medium, the same doubt)."""
+    same); ``mid_call``, retired on all, but every one stopped inside the call
+    ``call`` (``where -> where it always went on``; medium, the same doubt)."""
     where = f"{op} #{seq} on {ctx.pg_label(gid)}"
     evidence: dict[str, object] = {}
     if how == "stuck":
@@ -209,8 +210,8 @@ def _common_stop_finding(ctx: Context, stopped: list[int], others: list[int], gi
         sure = ("every dumped member agrees on where the job stopped and is stuck there, so "
                 "the hang is certain; that the missing rank caused it rests on its missing "
                 "file")
-    elif how.startswith("mid_call:"):
-        site, _, went_on = how.removeprefix("mid_call:").partition(" -> ")
+    elif how == "mid_call" and call is not None:
+        site, _, went_on = call.partition(" -> ")
         evidence["stopped_in_call"] = {"at": site, "always_went_on_to": went_on}
         state = (f"stopped at the same {where}, retired on all of them, issued at {site}: "
                  f"inside a call that each earlier time went on to {went_on}, where a program "
@@ -245,7 +246,7 @@ def _common_stop_finding(ctx: Context, stopped: list[int], others: list[int], gi
 
 
 def _common_stop(ctx: Context, missing: list[int]
-                 ) -> tuple[int, int, str, str | None, set[int], str] | None:
+                 ) -> tuple[int, int, str, str | None, set[int], str, str | None] | None:
     """Where every dumped rank stopped, when it is one unfinished collective that
     some of ``missing`` belong to: ``(gid, seq, op, location, those missing ranks)``.
 
@@ -260,8 +261,8 @@ def _common_stop(ctx: Context, missing: list[int]
     healthy job with a file not collected) never qualifies — unless every one of them
     stopped inside the same function call that, each earlier time, went on to another
     op (``digest.stopped_in_call``; PyTorch's dumps with stacks, issue 29): how is then
-    ``"mid_call:<where -> where it went on>"``; else ``"stuck"`` (unfinished on every
-    dumped rank) or ``"some"``.
+    ``"mid_call"``, with that call (``"where -> where it went on"``) last; else
+    ``"stuck"`` (unfinished on every dumped rank) or ``"some"``, and ``None``.
     """
     if len(ctx.job.digests) < 2 or not ctx.job.silent_listed or ctx.graph.young:
         return None
@@ -305,8 +306,8 @@ def _common_stop(ctx: Context, missing: list[int]
     d = ctx.job.digests[first[0]]
     detail = d.detail(first[1])
     op = d.op_names.get(int(d.op_hash[first[1]]), "?")
-    return (gid, seq, op, None if detail is None else detail.location, at,
-            how if how != "mid_call" else f"mid_call:{mid_call.pop()}")
+    return (gid, seq, op, None if detail is None else detail.location, at, how,
+            mid_call.pop() if how == "mid_call" else None)
 
 
 def _unlisted(ctx: Context, named: set[int]) -> list[Finding]:
