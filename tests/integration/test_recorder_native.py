@@ -69,11 +69,13 @@ if sys.argv[1] == "on":
     path = fr.dump()
     out["ours"] = len(decode_dump(open(path, "rb").read(), source="ours").entries)
     out["files"] = sorted(f for f in os.listdir(d) if f.startswith("nccl_trace"))
-    saved = {}
+    saved, stacked = {}, {}
     for f in out["files"]:
-        saved[f] = len(decode_dump(open(os.path.join(d, f), "rb").read(), source=f,
-                                   rank_hint=0).entries)
+        e = decode_dump(open(os.path.join(d, f), "rb").read(), source=f, rank_hint=0).entries
+        saved[f] = len(e)
+        stacked[f] = int((e.stack >= 0).sum())
     out["saved"] = saved
+    out["saved_with_stacks"] = stacked
 print("RESULT " + json.dumps(out))
 dist.destroy_process_group()
 """
@@ -112,3 +114,6 @@ def test_native_recorders_see_each_op_once_as_without_the_recorder(line):
         assert plain["native"] == {"gloo": 7, "plugin": 0}
         assert plain["hooked_groups"] == []
         assert ours["saved"] == {"nccl_trace_rank_0": 7}
+    # saved with their stacks, as PyTorch's own default dump is (issue 29: where each
+    # op was issued tells a rank that stopped inside a call)
+    assert ours["saved_with_stacks"] == ours["saved"], ours
