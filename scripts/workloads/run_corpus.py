@@ -192,6 +192,9 @@ def run_case(case: Case, torch_python: str, out: Path, *, checkout: bool = True,
         "FRFORENSICS_TIMEOUT_S": str(deadline_s),
         "FRFORENSICS_STORE_POLL_INTERVAL_S": "0.5",
         "FRFORENSICS_DUMP_ON_EXIT": "always",
+        # PyTorch's dumps as PyTorch's own default writes them (with stacks): what
+        # a user brings (docs/workloads.md, "The dump sources")
+        "FRFORENSICS_NATIVE_STACKS": "1",
         "FRFORENSICS_VERDICT": "0",
         "WL_PG_TIMEOUT_S": str(pg_timeout_s),
         "WL_HARD_EXIT_S": str(hard_kill_s + 5),

@@ -37,7 +37,8 @@ _MODULES = {"lightning": "lightning", "hf_trainer": "transformers", "accelerate"
 #: Verdicts wrong in some runs, with the cause (never strict: they turn on races in
 #: gloo). Measured on torch 2.13.0 (docs/workloads.md, "The framework corpus"). None
 #: today: Lightning's exit/kill from PyTorch's dumps (every survivor's failed barrier
-#: retired) are named since the recorder saves PyTorch's dumps with their stacks and
+#: retired) are named since the runner has the recorder save PyTorch's dumps with their
+#: stacks (FRFORENSICS_NATIVE_STACKS=1, as its own default dump) and
 #: the survivors are read as stopped inside one call (docs/detectors.md).
 WRONG_TODAY: dict[tuple[str, str, str], str] = {}
 

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -44,7 +45,8 @@ def create(opts, _options):
 dist.Backend.register_backend("plugin", create, extended_api=True, devices=["cpu"])
 if sys.argv[1] == "on":
     import frforensics.recorder as fr
-    d = fr.enable(tempfile.mkdtemp(), backends=("gloo", "plugin"), dump_on_exit="never")
+    d = fr.enable(tempfile.mkdtemp(), backends=("gloo", "plugin"), dump_on_exit="never",
+                  native_stacks=os.environ.get("FRT_NATIVE_STACKS") == "1")
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
 plugin = dist.new_group([0], backend="plugin")
 t = torch.ones(3)
@@ -81,18 +83,18 @@ dist.destroy_process_group()
 """
 
 
-def _run(mode: str) -> dict[str, object]:
+def _run(mode: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "TORCH_"))}
-    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(extra or {})})
     proc = subprocess.run([sys.executable, "-c", JOB.replace("PORT", str(port)), mode],
                           capture_output=True, text=True, env=env, timeout=150, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert line, proc.stdout + proc.stderr
-    result: dict[str, object] = json.loads(line[-1][len("RESULT "):])
+    result: dict[str, Any] = json.loads(line[-1][len("RESULT "):])
     return result
 
 
@@ -114,6 +116,9 @@ def test_native_recorders_see_each_op_once_as_without_the_recorder(line):
         assert plain["native"] == {"gloo": 7, "plugin": 0}
         assert plain["hooked_groups"] == []
         assert ours["saved"] == {"nccl_trace_rank_0": 7}
-    # saved with their stacks, as PyTorch's own default dump is (issue 29: where each
-    # op was issued tells a rank that stopped inside a call)
-    assert ours["saved_with_stacks"] == ours["saved"], ours
+    # without stacks unless asked (native_stacks: ~1 s of symbolizing at hang time)
+    assert set(ours["saved_with_stacks"].values()) == {0}, ours
+    # with them as PyTorch's own default dump is (issue 29: where each op was issued
+    # tells a rank that stopped inside a call)
+    stacked = _run("on", {"FRT_NATIVE_STACKS": "1"})
+    assert stacked["saved_with_stacks"] == stacked["saved"] == ours["saved"], stacked

@@ -720,25 +720,23 @@ def _note_native_source(name: str, backend: Any) -> None:
             _native_sources.setdefault(("fr_trace", str(backend.name())), None)
 
 
-def _native_dump(api: str, key: str) -> bytes | None:
-    # With stack traces, as PyTorch's own dumps are by default (what users bring): the
-    # analyzer reads where each op was issued (issue 29: ranks that stopped inside a
-    # call that always went on). Symbolizing costs ~1 s on a process's first dump
-    # (0.86-1.10 s measured for 2000 gloo entries; 14-16 ms after), paid after our
-    # own dump is written.
+def _native_dump(api: str, key: str, stacks: bool) -> bytes | None:
+    # ``stacks`` (``native_stacks``): with stack traces, as PyTorch's own dumps are by
+    # default; symbolizing costs ~1 s on a process's first dump (0.86-1.10 s measured
+    # for 2000 gloo entries; 14-16 ms after)
     from torch._C import _distributed_c10d as C
 
     if api == "nccl_trace":
         fn = getattr(C, "_dump_nccl_trace", None)
-        return None if fn is None else bytes(fn(includeStackTraces=True))
+        return None if fn is None else bytes(fn(includeStackTraces=stacks))
     fn = getattr(C, "_dump_fr_trace", None)
     if fn is None:
         return None
     try:
-        return bytes(fn(includeStackTraces=True, backend=key))
+        return bytes(fn(includeStackTraces=stacks, backend=key))
     except TypeError:
         # 2.13: no backend argument; its one FlightRecorder<c10::Event> is gloo's.
-        return bytes(fn(includeStackTraces=True)) if key == "gloo" else None
+        return bytes(fn(includeStackTraces=stacks)) if key == "gloo" else None
 
 
 def native_dumps(rec: Recorder) -> list[tuple[str, bytes]]:
@@ -752,7 +750,7 @@ def native_dumps(rec: Recorder) -> list[tuple[str, bytes]]:
     sources = sorted(_native_sources, key=lambda s: s[1] == "gloo")
     for api, key in sources:
         try:
-            raw = _native_dump(api, key)
+            raw = _native_dump(api, key, rec.config.native_stacks)
             data = _repaired(rec, raw) if raw else None
         except Exception as exc:
             rec.note_error(f"native dump {key}", exc)

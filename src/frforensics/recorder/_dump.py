@@ -322,8 +322,8 @@ class DumpWriter:
                     hook(written)
                 except Exception as exc:
                     rec.note_error("post-dump hook", exc)
-            # after the hooks (the verdict's hand-over): PyTorch's dump with its stacks
-            # costs ~1 s on a process's first dump (symbolizing), ours is what counts
+            # after the hooks (the verdict's hand-over): ours is what counts, and
+            # PyTorch's with its stacks (``native_stacks``) costs ~1 s on a first dump
             if native and rec.config.save_native:
                 self.save_native()
             return path
