@@ -81,7 +81,8 @@ class Manifest:
 
     ``tree`` is the state with every container tagged (``{"d": [[key, value],
     ...]}`` for a dict, keys kept as str or int; ``{"l": [...]}`` a list;
-    ``{"u": [...]}`` a tuple), every tensor replaced by ``{"t": index}`` and
+    ``{"u": [...]}`` a tuple), every tensor replaced by ``{"t": index}`` (``{"s": index}``: a DTensor's
+    local shard, wrapped again on the receiver's mesh by :func:`rewrap`) and
     every plain leaf by ``{"v": value}``. ``version`` is the number of
     successful guarded steps the state has seen (recovery's count, the same on
     every member).
@@ -165,7 +166,7 @@ def _check_tree(node: Any, n_tensors: int, depth: int) -> None:
     if not isinstance(node, dict) or len(node) != 1:
         raise HandoverError("state manifest tree has a node that is not a one-key tag")
     (tag, body), = node.items()
-    if tag == "t":
+    if tag in ("t", "s"):
         if type(body) is not int or not 0 <= body < n_tensors:
             raise HandoverError(f"state manifest tree names tensor {body!r} of {n_tensors}")
     elif tag == "v":
@@ -202,6 +203,11 @@ def flatten(state: Mapping[str, Any], *, version: int) -> tuple[Manifest, list[A
     def walk(node: Any, path: Path) -> Any:
         if len(path) > MAX_DEPTH:
             raise HandoverError(f"state_dict() is deeper than {MAX_DEPTH} at {_path_text(path)}")
+        if _is_dtensor(node):
+            # FSDP2 / HSDP / tensor parallel: this rank's shard travels; the receiver
+            # wraps it on its own mesh (``rewrap``), after ``_transfer`` chose a
+            # sender holding the same shard (``shard_peers``).
+            return {"s": walk(node.to_local(), path)["t"]}
         if isinstance(node, torch.Tensor):
             t = node.detach()
             dtype = str(t.dtype).removeprefix("torch.")
@@ -211,8 +217,8 @@ def flatten(state: Mapping[str, Any], *, version: int) -> tuple[Manifest, list[A
             if type(node) is not torch.Tensor and not isinstance(node, torch.nn.Parameter):
                 raise HandoverError(
                     f"state_dict() tensor at {_path_text(path)} is a {type(node).__name__} "
-                    "(a DTensor or tensor subclass): hand over its local shard "
-                    "(torch.distributed.checkpoint.state_dict gives plain tensors for DDP)")
+                    "(a tensor subclass): hand over plain tensors or DTensors "
+                    "(torch.distributed.checkpoint.state_dict gives those)")
             leaves.append(TensorLeaf(path=path, dtype=dtype, shape=tuple(t.shape),
                                      nbytes=t.numel() * t.element_size()))
             tensors.append(t)
@@ -239,62 +245,127 @@ def flatten(state: Mapping[str, Any], *, version: int) -> tuple[Manifest, list[A
     return Manifest(version=version, tree=tree, tensors=tuple(leaves)), tensors
 
 
-def lost_shards(state: Mapping[str, Any], excluded: list[int]) -> str | None:
-    """Why excluding ``excluded`` would leave a hole in ``state``'s sharded tensors, or None.
-
-    A DTensor (FSDP2's parameters and optimizer state, tensor parallel) holds one
-    shard per position on its mesh's sharded dimensions; the ranks that differ
-    from an excluded rank only on replicated dimensions hold its shard too
-    (HSDP's replica peers). With no such rank left the shard is gone: training
-    on would train a model with a hole, so recovery refuses -- one line, the
-    first lost shard. Re-forming a device mesh around a standby is not done
-    (docs/recovery.md, Limits), so a replicated shard is refused too, naming
-    where its replica lives.
-    """
+def _is_dtensor(node: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
-        return None
-    seen: set[tuple[int, tuple[str, ...]]] = set()
-    lost = set(excluded)
+        return False
+    return isinstance(node, DTensor)
 
-    def check(t: Any) -> str | None:
+
+def _dtensors(node: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+    if _is_dtensor(node):
+        return [(path, node)]
+    if isinstance(node, Mapping):
+        return [x for k, v in node.items() for x in _dtensors(v, (*path, k))]
+    if isinstance(node, (list, tuple)):
+        return [x for i, v in enumerate(node) for x in _dtensors(v, (*path, i))]
+    return []
+
+
+def shard_peers(state: Mapping[str, Any], lost: list[int]) -> dict[int, list[int]] | str:
+    """For each lost group rank, the group ranks holding the same shards; or why none can.
+
+    A DTensor (FSDP2's parameters and optimizer state, tensor parallel) holds one
+    shard per position on its mesh's sharded dimensions; the ranks that differ
+    from a lost rank only on replicated dimensions hold its shard too (HSDP's
+    replica peers), so a standby taking the lost rank's place receives the state
+    from one of them. With no such rank left the shard is gone: training on would
+    train a model with a hole, so recovery refuses -- one line, the first lost
+    shard. ``{}``: nothing in ``state`` is sharded (every member holds the same
+    state; any survivor can send). The peers are the intersection over every
+    mesh the state's DTensors live on, lost ranks left out.
+    """
+    peers: dict[int, set[int]] = {}
+    gone = set(lost)
+    seen: set[tuple[int, tuple[str, ...]]] = set()
+    for _, t in _dtensors(state):
         mesh, placements = t.device_mesh, tuple(t.placements)
         sig = (id(mesh), tuple(str(p) for p in placements))
         if sig in seen:
-            return None
+            continue
         seen.add(sig)
         grid = mesh.mesh
         sharded = [d for d, p in enumerate(placements) if p.is_shard()]
-        if not sharded:
-            return None
-        for r in sorted(lost):
+        for r in sorted(gone):
             at = (grid == r).nonzero()
             if not len(at):
                 continue
-            coords = at[0].tolist()
-            same = grid
-            for d in sorted(sharded, reverse=True):  # keep only the replicated dims
-                same = same.select(d, coords[d])
-            replicas = sorted(int(x) for x in same.reshape(-1).tolist() if int(x) not in lost)
-            if not replicas:
+            if not sharded:
+                same = [int(x) for x in grid.reshape(-1).tolist()]
+            else:
+                coords = at[0].tolist()
+                sel = grid
+                for d in sorted(sharded, reverse=True):  # keep only the replicated dims
+                    sel = sel.select(d, coords[d])
+                same = [int(x) for x in sel.reshape(-1).tolist()]
+            mine = {x for x in same if x not in gone}
+            peers[r] = mine if r not in peers else peers[r] & mine
+            if not peers[r]:
                 return f"rank {r}'s shard has no replica: restore from a checkpoint"
-            return (f"rank {r}'s shard is replicated on rank {replicas[0]}, but re-forming a "
-                    "device mesh around a standby is not supported: restore from a checkpoint")
-        return None
+    return {r: sorted(p) for r, p in peers.items()}
 
-    def walk(node: Any) -> str | None:
-        if isinstance(node, DTensor):
-            return check(node)
-        children = node.values() if isinstance(node, Mapping) else \
-            node if isinstance(node, (list, tuple)) else ()
-        for child in children:
-            why = walk(child)
-            if why:
-                return why
-        return None
 
-    return walk(state)
+def mesh_group_names(state: Mapping[str, Any]) -> set[str]:
+    """The process groups (names) of every mesh dimension the state's DTensors use."""
+    names: set[str] = set()
+    for _, t in _dtensors(state):
+        mesh = t.device_mesh
+        for d in range(mesh.ndim):
+            names.add(str(mesh.get_group(d).group_name))
+    return names
+
+
+def rewrap(received: Mapping[str, Any], manifest: Manifest, like: Mapping[str, Any]) -> dict[str, Any]:
+    """``received`` with each shard (tag ``s``) wrapped as a DTensor on ``like``'s mesh.
+
+    ``like`` is the receiver's own state: every shard the sender sent must be a
+    DTensor there (same path), and every DTensor there a shard in the manifest;
+    else :class:`HandoverError` (a DDP standby cannot take an FSDP2 state).
+    """
+    from torch.distributed.tensor import DTensor
+
+    why = sharding_mismatch(manifest, like)
+    if why:
+        raise HandoverError(why)
+    own = dict(_dtensors(like))
+
+    def wrap(node: Any, path: Path) -> Any:
+        if path in own:
+            t = own[path]
+            return DTensor.from_local(node, t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())
+        if isinstance(node, dict):
+            return {k: wrap(v, (*path, k)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            out = [wrap(v, (*path, i)) for i, v in enumerate(node)]
+            return tuple(out) if isinstance(node, tuple) else out
+        return node
+
+    result = wrap(dict(received), ())
+    assert isinstance(result, dict)
+    return result
+
+
+def sharding_mismatch(manifest: Manifest, like: Mapping[str, Any]) -> str | None:
+    """Why the sender's shards (tag ``s``) are not where ``like`` has DTensors, or None."""
+    shards = _tagged(manifest.tree, "s", ())
+    wrong = sorted(set(shards) ^ {p for p, _ in _dtensors(like)}, key=str)
+    if not wrong:
+        return None
+    return (f"{_path_text(wrong[0])} is a DTensor on one side only (the survivor's and this "
+            "standby's models are sharded differently)")
+
+
+def _tagged(node: Any, tag: str, path: Path) -> list[Path]:
+    (t, body), = node.items()
+    if t == tag:
+        return [path]
+    if t in ("l", "u"):
+        return [p for i, c in enumerate(body) for p in _tagged(c, tag, (*path, i))]
+    if t == "d":
+        return [p for k, v in body for p in _tagged(v, tag, (*path, k))]
+    return []
 
 
 def unflatten(manifest: Manifest, tensors: list[Any]) -> dict[str, Any]:
@@ -302,7 +373,7 @@ def unflatten(manifest: Manifest, tensors: list[Any]) -> dict[str, Any]:
 
     def build(node: dict[str, Any]) -> Any:
         (tag, body), = node.items()
-        if tag == "t":
+        if tag in ("t", "s"):
             return tensors[body]
         if tag == "v":
             return body
