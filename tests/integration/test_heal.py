@@ -32,6 +32,7 @@ from test_launcher import _env, _finish, _port
 pytestmark = [pytest.mark.slow, pytest.mark.reconfigure, pytest.mark.timeout(300)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_heal.py"
+HSDP_EXAMPLE = EXAMPLE.parent / "hsdp_heal.py"
 
 #: Runs the example with a planted fault in the callables it hands to recovery.
 HOSTILE = r'''
@@ -64,8 +65,10 @@ recovery.setup = setup
 runpy.run_path(os.environ["FRT_EXAMPLE"], run_name="__main__")
 '''
 
-#: A 4-rank FSDP2 job (fully sharded, or HSDP on a 2 x 2 mesh) with the state
-#: hand-over registered; rank 3 is SIGKILLed before step 6.
+#: A 4-rank FSDP2 job with the state hand-over registered and no standby; rank 3 is
+#: SIGKILLed before step 6. FRT_MESH: "fsdp" (fully sharded, 1-D), "hsdp" (2 x 2,
+#: made by rec.device_mesh), "hsdp-plain" (2 x 2 by init_device_mesh: groups
+#: recovery does not know).
 SHARDED = r'''
 import os, signal
 from datetime import timedelta
@@ -79,9 +82,10 @@ from frforensics import recovery
 recorder.enable(os.environ["FRT_DUMPS"], timeout_s=3.0)
 dist.init_process_group("gloo", timeout=timedelta(seconds=5), enable_reconfigure=True)
 rec = recovery.setup()
-hsdp = os.environ["FRT_MESH"] == "hsdp"
-mesh = init_device_mesh("cpu", (2, 2) if hsdp else (4,),
-                        mesh_dim_names=("replicate", "shard") if hsdp else ("shard",))
+kind = os.environ["FRT_MESH"]
+shape, names = ((2, 2), ("replicate", "shard")) if kind != "fsdp" else ((4,), ("shard",))
+make = init_device_mesh if kind == "hsdp-plain" else rec.device_mesh
+mesh = make("cpu", shape, mesh_dim_names=names)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 fully_shard(model, mesh=mesh)
@@ -114,15 +118,15 @@ _FINAL = re.compile(r"final: (\{[^}]*\})")
 
 
 def _run(tmp: Path, name: str, args: list[str], *, hostile: str = "",
-         **knobs: str) -> tuple[int, str, dict[int, dict[str, Any]]]:
+         example: Path = EXAMPLE, **knobs: str) -> tuple[int, str, dict[int, dict[str, Any]]]:
     import json
     import subprocess
 
     out = tmp / name
     out.mkdir()
     env = _env(tmp, EXAMPLE_OUT=str(out), EXAMPLE_DUMPS=str(out / "dumps"),
-               FRT_EXAMPLE=str(EXAMPLE), **knobs)
-    script = EXAMPLE
+               FRT_EXAMPLE=str(example), **knobs)
+    script = example
     if hostile:
         script = tmp / "hostile.py"
         script.write_text(HOSTILE)
@@ -288,10 +292,43 @@ def test_two_agents_heal_a_rank_lost_on_the_second_node_with_its_state(
     assert os.path.exists(out)
 
 
+@pytest.fixture(scope="module")
+def hsdp_fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """examples/hsdp_heal.py fault-free: every rank's full parameters, every process exit 0."""
+    tmp = tmp_path_factory.mktemp("hsdp_fault_free")
+    code, text, finals = _run(tmp, "ref", SINGLE, example=HSDP_EXAMPLE)
+    assert sorted(finals) == [0, 1, 2, 3] and code == 0, text[-6000:]
+    assert all(f["step"] == 20 and f["recoveries"] == 0 for f in finals.values())
+    params = _params(tmp, "ref")
+    assert sorted(params) == [0, 1, 2, 3]
+    return params
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_hsdp_a_standby_takes_the_lost_ranks_place_in_the_mesh_with_its_shard_from_the_replica(
+        tmp_path: Path, hsdp_fault_free: dict[int, Any], fault: str) -> None:
+    # examples/hsdp_heal.py: FSDP2 over a 2 x 2 mesh (replicate x shard). Rank 3's
+    # shard lives on rank 1 too; the standby joins the mesh's groups in rank 3's
+    # place and receives the shard (parameters and Adam state) from rank 1.
+    reference = hsdp_fault_free
+    code, text, finals = _run(tmp_path, fault, [*SINGLE, "--spares", "1"],
+                              example=HSDP_EXAMPLE, EXAMPLE_FAULT=fault)
+    assert sorted(finals) == [0, 1, 2, 4], text[-6000:]
+    assert finals[4]["rank"] == 3 and all(f["world_size"] == 4 for f in finals.values())
+    assert all(f["step"] == 20 and f["recoveries"] == 1 for f in finals.values()), finals
+    # from the replica peer, not from the first survivor (rank 0 holds another shard)
+    assert "state version 6 handed over by rank 1 to [4]" in text, text[-6000:]
+    _assert_healed(_params(tmp_path, fault), reference, [0, 1, 2, 4])
+    assert "terminate called" not in text, text[-6000:]
+    assert code == 0, text[-6000:]
+
+
 @pytest.mark.parametrize(("mesh", "why"), [
     ("fsdp", "rank 3's shard has no replica: restore from a checkpoint"),
-    ("hsdp", "rank 3's shard is replicated on rank 1, but re-forming a device mesh around a "
-             "standby is not supported: restore from a checkpoint"),
+    ("hsdp", "rank 3's shard has a replica, but no standby is free to take its place "
+             "(frforensics-run --spares N): restore from a checkpoint"),
+    ("hsdp-plain", "the state's device mesh was not made with Recovery.device_mesh, so its "
+                   "groups cannot be re-formed around a standby: restore from a checkpoint"),
 ])
 def test_a_sharded_model_losing_a_rank_is_refused_with_one_line_never_trained_with_a_hole(
         tmp_path: Path, mesh: str, why: str) -> None:

@@ -229,10 +229,12 @@ def test_standby_joins_and_the_world_stays_four(run_job: Any) -> None:
     try:
         _wait_events(job, [0, 1, 3, 4], "done", 90)
         admitted = _event(job, 4, "admitted")
-        assert admitted is not None and (admitted["rank"], admitted["world_size"]) == (3, 4)
+        # the standby takes the excluded rank's place (group rank 2): every
+        # survivor keeps its group rank
+        assert admitted is not None and (admitted["rank"], admitted["world_size"]) == (2, 4)
         for r in (0, 1, 3, 4):
             done = _event(job, r, "done")
-            assert done is not None and done["members"] == [0, 1, 3, 4], job.logs()
+            assert done is not None and done["members"] == [0, 1, 4, 3], job.logs()
             assert done["world_size"] == 4
         for r in (0, 1, 3):
             assert _event(job, r, "done")["after"] == 20  # type: ignore[index]

@@ -393,4 +393,4 @@ def test_setup_takes_and_returns_only_what_the_module_exports() -> None:
     sig = inspect.signature(recovery.setup)
     assert sig.return_annotation == "Recovery"
     assert set(sig.parameters) == {"spares", "options", "source", "recorder",
-                                   "state_dict", "load_state_dict"}
+                                   "state_dict", "load_state_dict", "reset_step"}

@@ -67,6 +67,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 # re-exported: frforensics-run's agent (run.py) and the tests use these names here
+from frforensics.recovery import _mesh
 from frforensics.recovery._agents import _agent_verdict as _agent_verdict
 from frforensics.recovery._agents import exit_record as exit_record
 from frforensics.recovery._handover import LoadStateDictFn, StateDictFn
@@ -187,7 +188,8 @@ class Recovery:
         return self._state.version
 
     def register_state(self, *, state_dict: StateDictFn,
-                       load_state_dict: LoadStateDictFn) -> None:
+                       load_state_dict: LoadStateDictFn,
+                       reset_step: Callable[[], None] | None = None) -> None:
         """The training state's callables, as :func:`setup`'s (when the model comes later).
 
         Every process registers them before the first guarded step (a standby
@@ -197,6 +199,8 @@ class Recovery:
         if not callable(state_dict) or not callable(load_state_dict):
             raise RecoveryError("register_state: state_dict and load_state_dict must be callables")
         st.state_dict, st.load_state_dict = state_dict, load_state_dict
+        if reset_step is not None:
+            st.reset_step = reset_step
 
     def guard(self) -> contextlib.AbstractContextManager[Guard]:
         """Guard one training step (see the module doc and :func:`guard`)."""
@@ -220,6 +224,26 @@ class Recovery:
         group = dist.new_group(list(ranks), **kwargs)
         st.subgroups.append(_Sub(group, list(ranks)))
         return group
+
+    def device_mesh(self, device_type: str, mesh_shape: Sequence[int], *,
+                    mesh_dim_names: Sequence[str] | None = None) -> Any:
+        """``init_device_mesh`` whose groups the guard re-forms around a standby (HSDP).
+
+        Every member calls it, as ``init_device_mesh``; each dimension's slices
+        become registered subgroups. In an admitted standby (after
+        :meth:`standby` or from its ``state_dict``/``load_state_dict``, which run
+        during the hand-over) the same call returns the mesh the members made,
+        over the groups the standby joined in the lost rank's place -- build the
+        sharded model on it (docs/recovery.md, "Sharded models").
+        """
+        st = self._live()
+        names = tuple(mesh_dim_names) if mesh_dim_names is not None else None
+        if st.me in st.members and not st.joined:
+            return _mesh.make_mesh(st, device_type, tuple(mesh_shape), names)
+        if st.me not in st.members:
+            raise RecoveryError("a standby has no device mesh until a recovery admits it "
+                                "(call device_mesh after standby(), or from state_dict())")
+        return _mesh.find_mesh(st, device_type, tuple(mesh_shape), names)
 
     def propose_exclusion(self, ranks: Sequence[int], reason: str) -> bool:
         """Propose excluding ``ranks`` (member ids) at this Recovery's next planned check.
@@ -303,7 +327,8 @@ def setup(*, spares: int = 0, options: Options | None = None,
           source: VerdictSource | None = None,
           recorder: JobRecorder | None = None,
           state_dict: StateDictFn | None = None,
-          load_state_dict: LoadStateDictFn | None = None) -> Recovery:
+          load_state_dict: LoadStateDictFn | None = None,
+          reset_step: Callable[[], None] | None = None) -> Recovery:
     """First configuration of the default group (collective over every process).
 
     ``state_dict`` / ``load_state_dict`` (torchft's ``Manager`` shape, both or
@@ -311,6 +336,11 @@ def setup(*, spares: int = 0, options: Options | None = None,
     that one survivor hands to each standby a recovery admits, over the re-formed
     group, before :meth:`Recovery.standby` returns; then every member checks that
     they hold the same state version (docs/recovery.md, "The state hand-over").
+    A sharded state (DTensors: FSDP2, HSDP) travels shard by shard, each from a
+    replica peer of the lost rank; its mesh must come from
+    :meth:`Recovery.device_mesh`. ``reset_step``: called by the guard when a step
+    failed, before the recovery, to put the model back between steps (FSDP2:
+    the root module's ``reset_iter_state``, torch >= 2.15).
 
     Call right after ``init_process_group(..., enable_reconfigure=True)``. The
     last ``spares`` processes become standbys (call :meth:`Recovery.standby`
@@ -364,7 +394,8 @@ def setup(*, spares: int = 0, options: Options | None = None,
                    restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
                    spares=[me], known=set(range(job_world)) | set(members) | {me},
                    store_host=host, source=source, recorder=recorder,
-                   state_dict=state_dict, load_state_dict=load_state_dict)
+                   state_dict=state_dict, load_state_dict=load_state_dict,
+                   reset_step=reset_step)
         _current = Recovery(st)
         _add(store, "standbys", 1)
         _start_watch(st)
@@ -376,7 +407,8 @@ def setup(*, spares: int = 0, options: Options | None = None,
                restart=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
                spares=list(range(world - spares, world)), known=set(range(world)),
                store_host=host, source=source, recorder=recorder,
-               state_dict=state_dict, load_state_dict=load_state_dict)
+               state_dict=state_dict, load_state_dict=load_state_dict,
+               reset_step=reset_step)
     made = _current = Recovery(st)
     if me in st.spares:
         _add(store, "standbys", 1)
@@ -445,6 +477,12 @@ def _guard(st: State) -> Iterator[Guard]:
         if not _is_comm_failure(exc):
             raise
         g.error = exc
+        if st.reset_step is not None:
+            try:
+                st.reset_step()
+            except Exception as reset_exc:
+                raise RecoveryFailed(f"reset_step() raised after the step failed: "
+                                     f"{type(reset_exc).__name__}: {reset_exc}"[:500]) from exc
         recover(st, g, cause=exc)
         return
     st.version += 1

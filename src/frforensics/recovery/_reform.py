@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from frforensics.recovery import _handover
+from frforensics.recovery import _handover, _mesh
 from frforensics.recovery._policy import exclusion_from
 from frforensics.recovery._state import (
     Guard,
@@ -120,9 +120,9 @@ def _recover_once(st: State, g: Guard, *, cause: BaseException | None,
             max_exclusions=opts.max_exclusions,
             excluded_so_far=sum(len(h["excluded"]) for h in st.history),
             min_world_size=opts.min_world_size)
-        _refuse_lost_shards(st, excluded, verdict)
+        sharded = _refuse_lost_shards(st, excluded, verdict)
         t_verdict = time.monotonic()
-        _reform(st, g, verdict, excluded, t0)
+        _reform(st, g, verdict, excluded, sharded)
         g.phases["reform_s"] = time.monotonic() - t_verdict - g.phases.get("handover_s", 0.0)
     except HandoverLost:
         raise  # the members recover again (``recover``)
@@ -145,7 +145,7 @@ def _recover_once(st: State, g: Guard, *, cause: BaseException | None,
 
 
 def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
-            t0: float) -> None:
+            sharded: bool) -> None:
     opts = st.options
     uuid = st.uuid + 1
     survivors = [m for m in st.members if m not in excluded]
@@ -171,18 +171,14 @@ def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
                     f"{opts.arrival_timeout_s:g} s", [verdict, *_later_verdicts(st)])
             handles[m] = raw.decode()
         admitted = _admit_spares(st, uuid, len(excluded), deadline)
-        members = survivors + [m for m, _ in admitted]
         handles.update(dict(admitted))
         stateless = [m for m in survivors if st.store.check([f"{uuid}/nostate/{m}"])]
-        decision = {"uuid": uuid, "members": members, "handles": [handles[m] for m in members],
-                    "old_members": st.members, "excluded": excluded,
-                    # who receives the state: the admitted standbys, and earlier ones
-                    # whose hand-over lost its sender
-                    "receivers": [m for m, _ in admitted] + stateless,
-                    "reason": verdict.headline, "incident": verdict.incident,
-                    # the leader's word for everyone: a survivor hands its state over
-                    "state": st.state_dict is not None}
+        decision = _decide(st, uuid, excluded, [m for m, _ in admitted], stateless, handles,
+                           verdict, sharded)
         _set(st.store, f"{uuid}/decision", json.dumps(decision))
+        if "refused" in decision:
+            raise RecoveryRefused(str(decision["refused"]), [verdict])
+        members = decision["members"]
         _set(st.store, "current", json.dumps({"uuid": uuid, "members": members}))
     else:
         raw = _get(st.store, f"{uuid}/decision",
@@ -193,7 +189,50 @@ def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
         decision = json.loads(raw)
         if "failed" in decision:
             raise RecoveryFailed(str(decision["failed"]), [verdict, *_later_verdicts(st)])
+        if "refused" in decision:
+            raise RecoveryRefused(str(decision["refused"]), [verdict])
     _apply(st, g, decision, verdict)
+
+
+def _decide(st: State, uuid: int, excluded: list[int], admitted: list[int],
+            stateless: list[int], handles: dict[int, str], verdict: Verdict,
+            sharded: bool) -> dict[str, Any]:
+    """The leader's membership decision (what every member and admitted standby applies).
+
+    Each admitted standby takes an excluded rank's group rank (its position), so the
+    global ranks a device mesh, a data partition or a DTensor was laid out with
+    stay the same; the excluded ranks no standby replaces are dropped (the group
+    shrinks). Subgroups follow: a replaced member's place goes to its standby.
+    """
+    place = dict(zip([m for m in st.members if m in excluded], admitted, strict=False))
+    members = [place.get(m, m) for m in st.members if m not in excluded or m in place]
+    receivers = list(admitted) + stateless
+    senders: dict[str, list[int]] = {}
+    if sharded:
+        lost = [m for m in st.members if m in excluded and m not in place]
+        if lost:
+            return {"refused": f"not excluding anyone: rank {lost[0]}'s shard has a replica, "
+                               "but no standby is free to take its place (frforensics-run "
+                               "--spares N): restore from a checkpoint"}
+        # who holds each receiver's shards (group ranks are kept: old positions)
+        gone = [i for i, m in enumerate(st.members) if m in excluded or m in stateless]
+        peers = _handover.shard_peers(st.state_dict(), gone) if st.state_dict else {}
+        if isinstance(peers, str):
+            return {"refused": f"not excluding anyone: {peers}"}
+        for i, m in enumerate(members):
+            if m in receivers and i in peers:
+                senders[str(m)] = [st.members[q] for q in peers[i]]
+    subgroups = [[place.get(m, m) for m in sub.members if m not in excluded or m in place]
+                 for sub in st.subgroups]
+    return {"uuid": uuid, "members": members, "handles": [handles[m] for m in members],
+            "old_members": st.members, "excluded": excluded,
+            # who receives the state: the admitted standbys, and earlier ones
+            # whose hand-over lost its sender; who may send to each (sharded state)
+            "receivers": receivers, "senders": senders,
+            "subgroups": subgroups, **_mesh.describe(st),
+            "reason": verdict.headline, "incident": verdict.incident,
+            # the leader's word for everyone: a survivor hands its state over
+            "state": st.state_dict is not None}
 
 
 def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> None:
@@ -216,7 +255,14 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> N
     st.steps = 0
     _tell_recorder(st, c10d._get_default_group(), uuid, old, members,
                    str(decision.get("reason", ""))[:300])
-    _reform_subgroups(st, excluded, uuid, verdict)
+    _mesh.adopt(st, decision)  # an admitted standby: the members' subgroups and meshes
+    new = decision.get("subgroups") or [[m for m in sub.members if m not in excluded]
+                                        for sub in st.subgroups]
+    try:
+        for group, before, keep in _mesh.reform_subgroups(st, [list(x) for x in new], uuid):
+            _tell_recorder(st, group, uuid, before, keep, f"excluded {excluded}")
+    except RecoveryFailed as exc:
+        raise RecoveryFailed(exc.reason, [verdict]) from None
     # Prove the new group works: every member adds its member id + 1.
     t = torch.tensor([float(st.me + 1)])
     work = dist.all_reduce(t, async_op=True)
@@ -249,44 +295,33 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> N
     g.reconfigured, g.rank, g.world_size, g.excluded = True, pg.rank(), pg.size(), excluded
 
 
-def _refuse_lost_shards(st: State, excluded: list[int], verdict: Verdict) -> None:
-    """:class:`RecoveryRefused` when excluding ``excluded`` loses a shard of the state."""
+def _refuse_lost_shards(st: State, excluded: list[int], verdict: Verdict) -> bool:
+    """:class:`RecoveryRefused` when excluding ``excluded`` loses a shard of the state.
+
+    True when the state is sharded across the excluded ranks' places (a DTensor
+    on a mesh they are in): then only a standby with the shard from a replica
+    peer may take each place (``_decide``), and the mesh's groups must be ones
+    recovery re-forms (made by ``Recovery.device_mesh``).
+    """
     if st.state_dict is None:
-        return
+        return False
     try:
-        why = _handover.lost_shards(st.state_dict(), excluded)
+        state = st.state_dict()
+        lost = [i for i, m in enumerate(st.members) if m in excluded]
+        peers = _handover.shard_peers(state, lost)
+        names = _handover.mesh_group_names(state) if peers else set()
     except Exception as exc:  # the hand-over's own attempt will report a failing state_dict
         log.debug("frforensics.recovery: lost-shard check skipped: %s", exc)
-        return
-    if why:
-        raise RecoveryRefused(f"not excluding anyone: {why}", [verdict])
-
-
-def _reform_subgroups(st: State, excluded: list[int], uuid: int,
-                      verdict: Verdict) -> None:
-    opts = st.options
-    for i, sub in enumerate(st.subgroups):
-        if not set(sub.members) & set(excluded):
-            continue  # untouched: keeps working as it is
-        keep = [m for m in sub.members if m not in excluded]
-        before, sub.members = sub.members, keep
-        if st.me not in keep:
-            continue
-        key = f"{uuid}/sub{i}/h/"
-        _set(st.store, key + str(st.me), _handle(sub.group))
-        deadline = time.monotonic() + opts.arrival_timeout_s
-        handles = []
-        for m in keep:
-            raw = _get(st.store, key + str(m), deadline)
-            if raw is None:
-                raise RecoveryFailed(f"subgroup {sub.members}: rank {m} did not publish its "
-                                     f"handle in {opts.arrival_timeout_s:g} s", [verdict])
-            handles.append(raw.decode())
-        try:
-            _reconfigure(uuid, handles, sub.group, opts.reconfigure_timeout_s)
-        except Exception as exc:
-            raise RecoveryFailed(f"subgroup {keep}: reconfigure failed: {exc}", [verdict]) from exc
-        _tell_recorder(st, sub.group, uuid, before, keep, f"excluded {excluded}")
+        return False
+    if isinstance(peers, str):
+        raise RecoveryRefused(f"not excluding anyone: {peers}", [verdict])
+    known = {str(sub.group.group_name) for sub in st.subgroups if sub.group is not None}
+    if names - known:
+        raise RecoveryRefused(
+            "not excluding anyone: the state's device mesh was not made with "
+            "Recovery.device_mesh, so its groups cannot be re-formed around a standby: "
+            "restore from a checkpoint", [verdict])
+    return bool(peers)
 
 
 def _admit_spares(st: State, uuid: int, wanted: int,

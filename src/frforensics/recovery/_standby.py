@@ -38,7 +38,7 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
             uuid += 1
             continue
         decision = json.loads(raw)
-        if "failed" in decision:
+        if "failed" in decision or "refused" in decision:
             uuid += 1
             continue
         if st.me not in decision["members"]:
@@ -53,6 +53,7 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
         st.known.update(int(m) for m in decision["members"])
         with contextlib.suppress(RecoveryError):
             _add(st.store, "standbys", -1)
+        st.joined = True
         t_admitted = time.monotonic()
         try:
             _apply(st, g, decision, Verdict(status=None, headline=str(decision.get("reason", ""))))

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -163,8 +163,20 @@ class Options:
 
 @dataclass
 class _Sub:
-    group: Any
+    group: Any  # None on a process outside it
     members: list[int]  # member ids, in group-rank order
+
+
+@dataclass
+class _Mesh:
+    """A device mesh made by ``Recovery.device_mesh``: its shape and its dims' subgroups."""
+
+    device_type: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...] | None
+    #: per dimension, the indices in ``State.subgroups`` of its slices (in grid order)
+    dims: list[list[int]]
+    mesh: Any = None  # this process's DeviceMesh (built lazily on an admitted standby)
 
 
 @dataclass
@@ -180,6 +192,7 @@ class State:
     incident: int = 0
     spares: list[int] = field(default_factory=list)
     subgroups: list[_Sub] = field(default_factory=list)
+    meshes: list[_Mesh] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     recovering: bool = False
@@ -199,12 +212,17 @@ class State:
     #: The training state's callables (torchft's shape); None: no state is handed over.
     state_dict: StateDictFn | None = None
     load_state_dict: LoadStateDictFn | None = None
+    #: Called by the guard when a step failed, before the recovery: puts the model
+    #: back between steps (FSDP2: the root module's ``reset_iter_state``).
+    reset_step: Callable[[], None] | None = None
     #: Successful guarded steps since setup (the state version; a standby takes the
     #: sender's with its state).
     version: int = 0
     #: An admitted standby whose hand-over has not completed: it holds no training
     #: state, so it receives in the next hand-over and never sends.
     stateless: bool = False
+    #: A standby admitted into the job (its subgroups and meshes are the members').
+    joined: bool = False
     #: The exclusion watcher (joined by ``Recovery.close``) and the event that wakes it.
     watcher: threading.Thread | None = None
     stop: threading.Event = field(default_factory=threading.Event)

@@ -14,28 +14,44 @@ from frforensics.verdict import Verdict
 
 
 def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
-    """One survivor's state to every receiver (the admitted standbys), then one agreement all_reduce.
+    """The survivors' state to every receiver (the admitted standbys), then one agreement each.
 
-    The first survivor sends; when its ``state_dict()`` cannot be flattened (it
-    raised, or holds what cannot travel) the next one tries. The agreement --
-    ``all_reduce(MAX)`` of ``[version, -version, sender failed, receiver failed]``
-    -- runs on every member after each attempt, so all of them learn the outcome
-    at once: a standby that could not take the state (its own model differs, its
-    ``load_state_dict`` raised, the bytes arrived damaged) fails the recovery on
-    every member; survivors whose versions differ (one finished the step the
-    others failed) fail it too. Never a standby training on partial state.
+    Receivers are taken in classes by who may send to them: any survivor when
+    the state is the same on every member (DDP), the lost rank's replica peers
+    when it is sharded (HSDP: the leader's ``decision["senders"]``, from
+    ``_handover.shard_peers``). In each class the first sender sends; when its
+    ``state_dict()`` cannot be flattened (it raised, or holds what cannot travel)
+    the next one tries. The agreement -- ``all_reduce(MAX)`` of ``[version,
+    -version, sender failed, receiver failed]`` -- runs on every member after each
+    attempt, so all of them learn the outcome at once: a standby that could not
+    take the state (its own model differs, its ``load_state_dict`` raised, the
+    bytes arrived damaged) fails the recovery on every member; survivors whose
+    versions differ (one finished the step the others failed) fail it too. Never
+    a standby training on partial state.
     """
-    torch, dist, _ = _torch()
-    uuid = int(decision["uuid"])
     members = [int(m) for m in decision["members"]]
     old = {int(m) for m in decision["old_members"]}
     # receivers: the admitted standbys and any earlier one still without state (its
     # hand-over lost the sender); senders: the members that hold the state
     receivers = [int(m) for m in decision.get("receivers", [m for m in members if m not in old])]
     survivors = [m for m in members if m in old and m not in receivers]
+    chosen = decision.get("senders") or {}
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for r in receivers:
+        classes.setdefault(tuple(int(m) for m in chosen.get(str(r), survivors)), []).append(r)
+    if not classes:
+        classes[tuple(survivors)] = []
+    for n, (senders, rcv) in enumerate(sorted(classes.items())):
+        key = f"{int(decision['uuid'])}/state/" + (f"{n}." if n else "")
+        _hand_over_class(st, key, list(senders), rcv, members, verdict)
+
+
+def _hand_over_class(st: State, prefix: str, senders: list[int], receivers: list[int],
+                     members: list[int], verdict: Verdict) -> None:
+    torch, dist, _ = _torch()
     deadline = time.monotonic() + st.options.arrival_timeout_s
-    for attempt, sender in enumerate(survivors):
-        key = f"{uuid}/state/{attempt}"
+    for attempt, sender in enumerate(senders):
+        key = f"{prefix}{attempt}"
         failed = [0, 0]  # sender, receiver
         if st.me == sender:
             failed[0] = _send_state(st, key, receivers, members, deadline)
@@ -72,8 +88,8 @@ def _hand_over(st: State, decision: dict[str, Any], verdict: Verdict) -> None:
         if receivers:
             _say(st, f"state version {high} handed over by rank {sender} to {receivers}")
         return
-    raise RecoveryFailed("no survivor could hand over its state (each one's state_dict() "
-                         "failed; see the lines above)", [verdict])
+    raise RecoveryFailed(f"no survivor could hand over its state to {receivers} (each one's "
+                         f"state_dict() failed, of {senders}; see the lines above)", [verdict])
 
 
 def _send_state(st: State, key: str, admitted: list[int], members: list[int],
@@ -123,8 +139,9 @@ def _receive_state(st: State, key: str, src: int, deadline: float) -> int:
         if st.state_dict is None or st.load_state_dict is None:
             raise _handover.HandoverError("this standby registered no state_dict/load_state_dict "
                                           "(recovery.setup(state_dict=..., load_state_dict=...))")
-        mine, _ = _handover.flatten(st.state_dict(), version=0)
-        wrong = _handover.mismatch(manifest, mine)
+        own = st.state_dict()
+        mine, _ = _handover.flatten(own, version=0)
+        wrong = _handover.mismatch(manifest, mine) or _handover.sharding_mismatch(manifest, own)
         if wrong:
             raise _handover.HandoverError(f"its state does not match this standby's "
                                           f"({wrong}); same model and optimizer on every "
@@ -138,7 +155,7 @@ def _receive_state(st: State, key: str, src: int, deadline: float) -> int:
     _set(st.store, f"{key}/ack/{st.me}", ack)
     try:
         tensors = _handover.receive(manifest, src=src, chunk_bytes=st.options.state_chunk_bytes)
-        st.load_state_dict(_handover.unflatten(manifest, tensors))
+        st.load_state_dict(_handover.rewrap(_handover.unflatten(manifest, tensors), manifest, own))
     except Exception as exc:
         return refuse(f"{type(exc).__name__}: {exc}")
     st.version = manifest.version
