@@ -50,6 +50,15 @@ def test_bench_recorder_smoke(mode: str) -> None:
     assert "noop" in out and ("dump of 2000 entries" in out or mode == "inprocess")
 
 
+def test_bench_recorder_jobs_smoke(tmp_path: Path) -> None:
+    # issue 31's table: every configuration, part and ablation runs (tiny sizes)
+    out = _run(BENCH / "bench_recorder_jobs.py", "--smoke", "--out", tmp_path / "r.json")
+    for row in ("1048576 floats: wall", "DDP step: time (median step)",
+                "TP step: time (median step)", "`noop+ours/gc-off`", "C stack walk alone"):
+        assert row in out, out[-3000:]
+    assert (tmp_path / "r.json").exists() and (tmp_path / "r.md").exists()
+
+
 def test_bench_verdict_smoke(tmp_path: Path) -> None:
     _run(BENCH / "bench_verdict.py", "--ranks", "2", "--ops", "3", "--deadline", "2",
          "--poll", "0.2", "--budget", "240", "--out", tmp_path / "verdict.json")
