@@ -304,21 +304,26 @@ def hsdp_fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     return params
 
 
-@pytest.mark.parametrize("fault", ["kill", "stop"])
+@pytest.mark.parametrize(("fault", "lost", "peer"), [("kill", 3, 1), ("stop", 3, 1),
+                                                     ("kill", 1, 3)])
 def test_hsdp_a_standby_takes_the_lost_ranks_place_in_the_mesh_with_its_shard_from_the_replica(
-        tmp_path: Path, hsdp_fault_free: dict[int, Any], fault: str) -> None:
-    # examples/hsdp_heal.py: FSDP2 over a 2 x 2 mesh (replicate x shard). Rank 3's
-    # shard lives on rank 1 too; the standby joins the mesh's groups in rank 3's
-    # place and receives the shard (parameters and Adam state) from rank 1.
+        tmp_path: Path, hsdp_fault_free: dict[int, Any], fault: str, lost: int,
+        peer: int) -> None:
+    # examples/hsdp_heal.py: FSDP2 over a 2 x 2 mesh [[0, 1], [2, 3]] (replicate x
+    # shard). The lost rank's shard lives on its replica peer too; the standby
+    # joins the mesh's groups in the lost rank's place (its group rank) and
+    # receives the shard (parameters and Adam state) from that peer.
     reference = hsdp_fault_free
     code, text, finals = _run(tmp_path, fault, [*SINGLE, "--spares", "1"],
-                              example=HSDP_EXAMPLE, EXAMPLE_FAULT=fault)
-    assert sorted(finals) == [0, 1, 2, 4], text[-6000:]
-    assert finals[4]["rank"] == 3 and all(f["world_size"] == 4 for f in finals.values())
+                              example=HSDP_EXAMPLE, EXAMPLE_FAULT=fault,
+                              EXAMPLE_FAULT_RANK=str(lost))
+    members = sorted({0, 1, 2, 3, 4} - {lost})
+    assert sorted(finals) == members, text[-6000:]
+    assert finals[4]["rank"] == lost and all(f["world_size"] == 4 for f in finals.values())
     assert all(f["step"] == 20 and f["recoveries"] == 1 for f in finals.values()), finals
-    # from the replica peer, not from the first survivor (rank 0 holds another shard)
-    assert "state version 6 handed over by rank 1 to [4]" in text, text[-6000:]
-    _assert_healed(_params(tmp_path, fault), reference, [0, 1, 2, 4])
+    # from the replica peer, not from the first survivor (it holds another shard)
+    assert f"state version 6 handed over by rank {peer} to [4]" in text, text[-6000:]
+    _assert_healed(_params(tmp_path, fault), reference, members)
     assert "terminate called" not in text, text[-6000:]
     assert code == 0, text[-6000:]
 
