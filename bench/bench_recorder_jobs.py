@@ -117,6 +117,11 @@ def _env(config: str, cpu: int | None = None) -> dict[str, str]:
 def _enable_ours(config: str) -> None:
     import frforensics.recorder as recorder
 
+    if os.environ.get("FRT_KEEP_TRACKED") == "1":  # the ring's entries as before the C untrack
+        from frforensics.recorder import _pg, _ring
+
+        _pg._untrack = _ring._keep_tracked
+
     overrides: dict[str, Any] = {}
     if config.endswith("/no-stack"):
         overrides["stack_depth"] = 0

@@ -241,3 +241,64 @@ def test_env_var_forces_the_pure_python_walk(pure):
         capture_output=True, text=True, env=env, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(pure or not SUPPORTED), "True"]
+
+
+def test_untrack_takes_an_entry_and_its_shape_tuples_out_of_the_gc_and_keeps_them_alive() -> None:
+    import weakref
+
+    mod = _load()
+    torch = pytest.importorskip("torch")
+    t = torch.ones(2, 3)
+    meta = ((t.shape, t.dtype),)
+
+    class Held:  # something the entry refers to, collectable only by refcount here
+        pass
+
+    held = Held()
+    ref = weakref.ref(held)
+    inner: list[Any] = [1]
+    entry = [7, "all_reduce", meta, held, inner, (("deep",),)]
+    assert mod.untrack(entry) is entry
+    assert not gc.is_tracked(entry)
+    assert not gc.is_tracked(meta) and not gc.is_tracked(meta[0])
+    assert not gc.is_tracked(meta[0][0])  # torch.Size, a tuple subclass
+    assert gc.is_tracked(inner)  # only tuples are untracked below the entry
+    del held
+    gc.collect()
+    assert ref() is not None  # the untracked entry still keeps what it holds alive
+    del entry
+    assert ref() is None  # freed by reference counting alone
+    assert mod.untrack(5) == 5 and mod.untrack(entry := [1]) is entry
+
+
+def test_the_recorders_entries_are_untracked_when_the_extension_is_built(tmp_path) -> None:
+    _load()
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from frforensics.recorder import _pg
+    from frforensics.recorder._core import Recorder, RecorderConfig
+
+    assert _pg._untrack is not R._keep_tracked
+
+    class Done:
+        def is_completed(self) -> bool:
+            return True
+
+    class Noop:
+        def allreduce(self, tensors: Any, opts: Any) -> Any:
+            return Done()
+
+        def name(self) -> str:
+            return "noop"
+
+    rec = Recorder(RecorderConfig(dump_dir=tmp_path, stack_depth=4))
+    state = rec.new_group(name="0", desc="default_pg", ranks=(0,), backend="noop",
+                          timeout_ms=60_000)
+    pg = _pg.RecordingProcessGroup(rec, state, 0, 1, {"cpu": Noop()}, "cpu")
+    pg.allreduce([torch.ones(4)], dist.AllreduceOptions())
+    entries, _ = rec.ring.snapshot()
+    assert len(entries) == 1
+    (entry,) = entries
+    assert not gc.is_tracked(entry) and not gc.is_tracked(entry[R.STACK])
+    assert entry[R.STACK]  # the stack is still there

@@ -54,6 +54,7 @@ _capture = R.capture_stack
 # The C walk when built (no frame objects made; docs/recorder.md, "Overhead"),
 # else None and the pure-Python walk. Module-level so tests and the bench can switch.
 _walk = R.fast_walk
+_untrack = R.untrack
 _Tensor = torch.Tensor
 _AllreduceOptions = dist.AllreduceOptions
 
@@ -254,7 +255,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 else _capture(_getframe(2), rec.stack_depth, rec.frame_filter), event,
             ]
             ring = rec.ring
-            ring.slots[rid % ring.capacity] = entry
+            ring.slots[rid % ring.capacity] = _untrack(entry)
             ring.count = rec.count = rid + 1
             return entry
         except Exception as exc:  # recording must never break the job
@@ -546,7 +547,7 @@ class RecordingProcessGroup(dist.ProcessGroup):  # type: ignore[misc]
                 None,
             ]
             ring = rec.ring
-            ring.slots[rid % ring.capacity] = entry
+            ring.slots[rid % ring.capacity] = _untrack(entry)
             ring.count = rec.count = rid + 1
             return entry
         except Exception as exc:

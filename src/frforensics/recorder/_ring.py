@@ -155,17 +155,29 @@ def capture_caller(skip: int, depth: int, flt: FrameFilter) -> list[Any]:
     return capture_stack(frame, depth, flt)
 
 
-def _load_fast_walk() -> Callable[[int, int, FrameFilter], list[Any]] | None:
+def _load_fast() -> Any:
     if os.environ.get("FRFORENSICS_PURE_PYTHON", "") not in ("", "0"):
         return None
     import importlib
 
     try:
-        module = importlib.import_module("frforensics.recorder._fastframes")
+        return importlib.import_module("frforensics.recorder._fastframes")
     except ImportError:  # not built (no compiler, not CPython 3.11): pure Python
         return None
-    walk: Callable[[int, int, FrameFilter], list[Any]] = module.walk
-    return walk
+
+
+def _load_fast_walk() -> Callable[[int, int, FrameFilter], list[Any]] | None:
+    module = _load_fast()
+    return None if module is None else module.walk
+
+
+def _keep_tracked(obj: Any) -> Any:
+    return obj
+
+
+def _load_untrack() -> Callable[[Any], Any]:
+    module = _load_fast()
+    return _keep_tracked if module is None else module.untrack
 
 
 #: The C walk over CPython 3.11's interpreter frames (``_fastframes.c``): same
@@ -173,6 +185,12 @@ def _load_fast_walk() -> Callable[[int, int, FrameFilter], list[Any]] | None:
 #: per frame. ``None`` where the extension is not built or
 #: ``FRFORENSICS_PURE_PYTHON=1`` is set; the recorder then uses :func:`capture_stack`.
 fast_walk: Final = _load_fast_walk()
+
+#: ``untrack(entry) -> entry``: the entry list taken out of the cyclic GC (it can
+#: never be in a cycle; ``_fastframes.c``), so the 2000 live entries cost a
+#: training loop's collections nothing; the identity where the extension is not
+#: built (the entries then stay tracked, as before).
+untrack: Final = _load_untrack()
 
 
 def line_of(code: CodeType, lasti: int) -> int:
