@@ -186,10 +186,8 @@ def _user_top(pg: Any, t: Any, opts: Any) -> None:
         _user_mid(pg, t, opts)
 
 
-def _recorded_stacks(tmp_path: Path, walk: WalkFn | None) -> list[list[tuple[str, str, int]]]:
-    torch = pytest.importorskip("torch")
-    import torch.distributed as dist
-
+def _noop_recording_group(tmp_path: Path) -> tuple[Any, Any]:
+    """A recorder and its recording group over a backend whose ops finish at once."""
     from frforensics.recorder import _pg
     from frforensics.recorder._core import Recorder, RecorderConfig
 
@@ -207,7 +205,16 @@ def _recorded_stacks(tmp_path: Path, walk: WalkFn | None) -> list[list[tuple[str
     rec = Recorder(RecorderConfig(dump_dir=tmp_path, stack_depth=4))
     state = rec.new_group(name="0", desc="default_pg", ranks=(0,), backend="noop",
                           timeout_ms=60_000)
-    pg = _pg.RecordingProcessGroup(rec, state, 0, 1, {"cpu": Noop()}, "cpu")
+    return rec, _pg.RecordingProcessGroup(rec, state, 0, 1, {"cpu": Noop()}, "cpu")
+
+
+def _recorded_stacks(tmp_path: Path, walk: WalkFn | None) -> list[list[tuple[str, str, int]]]:
+    torch = pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    from frforensics.recorder import _pg
+
+    rec, pg = _noop_recording_group(tmp_path)
     saved = _pg._walk
     _pg._walk = walk
     try:
@@ -277,25 +284,10 @@ def test_the_recorders_entries_are_untracked_when_the_extension_is_built(tmp_pat
     import torch.distributed as dist
 
     from frforensics.recorder import _pg
-    from frforensics.recorder._core import Recorder, RecorderConfig
 
     assert _pg._untrack is not R._keep_tracked
 
-    class Done:
-        def is_completed(self) -> bool:
-            return True
-
-    class Noop:
-        def allreduce(self, tensors: Any, opts: Any) -> Any:
-            return Done()
-
-        def name(self) -> str:
-            return "noop"
-
-    rec = Recorder(RecorderConfig(dump_dir=tmp_path, stack_depth=4))
-    state = rec.new_group(name="0", desc="default_pg", ranks=(0,), backend="noop",
-                          timeout_ms=60_000)
-    pg = _pg.RecordingProcessGroup(rec, state, 0, 1, {"cpu": Noop()}, "cpu")
+    rec, pg = _noop_recording_group(tmp_path)
     pg.allreduce([torch.ones(4)], dist.AllreduceOptions())
     entries, _ = rec.ring.snapshot()
     assert len(entries) == 1
