@@ -394,3 +394,21 @@ def test_setup_takes_and_returns_only_what_the_module_exports() -> None:
     assert sig.return_annotation == "Recovery"
     assert set(sig.parameters) == {"spares", "options", "source", "recorder",
                                    "state_dict", "load_state_dict", "reset_step"}
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("subgroups", [[0, "1"]], "subgroups is not a list of lists of member ids"),
+    ("subgroups", [[0, 1]], "subgroups has 1 entries, this process registered 2"),
+    ("meshes", [{"device_type": "cpu", "shape": [2], "names": None, "dims": [[0, 9]]}],
+     "a mesh is not {device_type, shape, names, dims} over the subgroups"),
+    ("meshes", "cpu", "meshes is not a list"),
+    ("senders", {"4": ["1"]}, "senders is not a map of member id to member ids"),
+])
+def test_a_malformed_decision_layout_is_named_before_anything_acts_on_it(
+        field: str, value: Any, why: str) -> None:
+    from frforensics.recovery import _mesh
+
+    good = {"subgroups": [[0, 1], [2, 4]], "senders": {"4": [1]},
+            "meshes": [{"device_type": "cpu", "shape": [2], "names": ["x"], "dims": [[0, 1]]}]}
+    assert _mesh.malformed(good, 2) is None and _mesh.malformed({}, 0) is None
+    assert _mesh.malformed({**good, field: value}, 2) == why

@@ -110,6 +110,38 @@ def describe(st: State) -> dict[str, Any]:
                        for m in st.meshes]}
 
 
+def malformed(decision: dict[str, Any], have: int) -> str | None:
+    """Why the decision's subgroup, mesh and sender fields are unusable, or None.
+
+    The decision is a peer's store value: every field this module and the
+    hand-over read is checked before anything acts on it. ``have``: the
+    subgroups this process registered (0 on a standby, which adopts them).
+    """
+    def ints(x: Any) -> bool:
+        return isinstance(x, list) and len(x) <= 1 << 20 and all(type(i) is int for i in x)
+
+    subs = decision.get("subgroups", [])
+    if not isinstance(subs, list) or not all(ints(m) for m in subs):
+        return "subgroups is not a list of lists of member ids"
+    if have and len(subs) != have:
+        return f"subgroups has {len(subs)} entries, this process registered {have}"
+    meshes = decision.get("meshes", [])
+    if not isinstance(meshes, list):
+        return "meshes is not a list"
+    for m in meshes:
+        if not isinstance(m, dict) or not isinstance(m.get("device_type"), str) \
+                or not ints(m.get("shape")) or not isinstance(m.get("dims"), list) \
+                or not all(ints(d) and all(0 <= i < len(subs) for i in d) for d in m["dims"]) \
+                or not (m.get("names") is None or (isinstance(m["names"], list) and all(
+                    isinstance(n, str) for n in m["names"]))):
+            return "a mesh is not {device_type, shape, names, dims} over the subgroups"
+    senders = decision.get("senders", {})
+    if not isinstance(senders, dict) or not all(
+            isinstance(k, str) and ints(v) for k, v in senders.items()):
+        return "senders is not a map of member id to member ids"
+    return None
+
+
 def adopt(st: State, decision: dict[str, Any]) -> None:
     """On an admitted standby: the members' subgroup list and meshes (no groups yet)."""
     if st.subgroups or "subgroups" not in decision:

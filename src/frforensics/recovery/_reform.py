@@ -243,6 +243,9 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> N
     uuid = int(decision["uuid"])
     members = [int(m) for m in decision["members"]]
     excluded = [int(m) for m in decision["excluded"]]
+    why = _mesh.malformed(decision, len(st.subgroups))
+    if why:
+        raise RecoveryFailed(f"malformed membership decision (uuid {uuid}): {why}", [verdict])
     try:
         _reconfigure(uuid, list(decision["handles"]), None, opts.reconfigure_timeout_s)
     except RecoveryFailed as exc:
