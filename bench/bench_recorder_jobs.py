@@ -681,7 +681,7 @@ def main() -> None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         out = args.out or RESULTS / f"recorder-jobs-{stamp}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+        out.write_text(json.dumps({"meta": meta, "runs": runs}, separators=(",", ":")) + "\n")
         out.with_suffix(".md").write_text(text + "\n")
         print(f"raw results: {out}", file=sys.stderr)
 
