@@ -42,8 +42,8 @@ from frforensics.model import (
     user_frame,
 )
 
-__all__ = ["DTYPE_UNCHECKED", "ROOTED_OPS", "SIZE_FROM_OUTPUT", "EntryDetail", "RankDigest", "coalesced_units", "compared_dtypes",
-           "compared_side", "digest", "str_hash", "user_frame", "windowed"]
+__all__ = ["DTYPE_UNCHECKED", "ROOTED_OPS", "SIZE_FROM_OUTPUT", "EntryDetail", "RankDigest", "coalesced_units", "compact",
+           "compared_dtypes", "compared_side", "cut_column", "digest", "str_hash", "user_frame", "windowed"]
 
 DEFAULT_TAIL: Final = 32
 
@@ -232,10 +232,20 @@ class RankDigest(HeaderFields):
         layout: list[tuple[int, str, int, int]] = []
         chunks: list[bytes] = []
         offset = 0
+        placed: dict[int, tuple[int, int]] = {}  # id(array) -> (count, offset): shared
         for i, v in enumerate(values):
             if isinstance(v, np.ndarray) and v.ndim == 1 and not v.dtype.hasobject:
-                data = v.tobytes()
-                layout.append((i, _dtype_name(v.dtype), len(v), offset))
+                at = placed.get(id(v))
+                if at is not None:  # the same array in two fields (``compact``)
+                    layout.append((i, _dtype_name(v.dtype), *at))
+                    values[i] = None
+                    continue
+                # a one-value column (``compact``): its value once, count negated
+                const = len(v) > 1 and v.strides[0] == 0
+                data = v[:1].tobytes() if const else v.tobytes()
+                count = -len(v) if const else len(v)
+                placed[id(v)] = (count, offset)
+                layout.append((i, _dtype_name(v.dtype), count, offset))
                 chunks.append(data)
                 pad = -len(data) % 8  # every column aligned
                 if pad:
@@ -281,6 +291,9 @@ class RankDigest(HeaderFields):
 
 _DIGEST_FIELDS: Final = tuple(f.name for f in fields(RankDigest))
 _DETAILS_AT: Final = _DIGEST_FIELDS.index("details")
+_ARRAY_FIELDS: Final = ("group", "seq", "p2p_seq", "peer_seq", "is_p2p", "peer", "op_hash",
+                        "dtype_hash", "size", "state", "t_enqueue_ns", "t_complete_ns",
+                        "timeout_ms", "site", "numel", "unit", "duration_ns")
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 _DTYPES: dict[str, np.dtype[Any]] = {}
 _new_detail = functools.partial(tuple.__new__, EntryDetail)
@@ -304,10 +317,38 @@ def _rebuild_digest(values: tuple[Any, ...], layout: tuple[tuple[int, str, int, 
         dtype = _DTYPES.get(name)
         if dtype is None:
             dtype = _DTYPES[name] = np.dtype(name)
-        out[i] = np.frombuffer(buf, dtype, count, offset)
+        if count < 0:  # one value for every row (``compact``)
+            out[i] = np.broadcast_to(np.frombuffer(buf, dtype, 1, offset), (-count,))
+        else:
+            out[i] = np.frombuffer(buf, dtype, count, offset)
     rows, details = out[_DETAILS_AT]
     out[_DETAILS_AT] = dict(zip(rows, map(_new_detail, details), strict=True))
     return RankDigest(*out)
+
+
+def compact(d: RankDigest) -> RankDigest:
+    """``d`` with each column whose rows all hold one value as a read-only view of
+    that value (stride 0), and ``numel`` as ``size`` where they are equal: a job's
+    dumps repeat most columns (p2p columns of a job without p2p, one timeout, one
+    state), and the main process holds every rank's digest (16,384 ranks: 3.4 GB
+    before). Values and dtypes are unchanged; nothing writes into a digest."""
+    changes: dict[str, Any] = {}
+    for name in _ARRAY_FIELDS:
+        v = getattr(d, name)
+        if isinstance(v, np.ndarray) and v.ndim == 1 and len(v) > 1 and v.strides[0] != 0 \
+                and bool((v == v[0]).all()):
+            changes[name] = np.broadcast_to(v[:1].copy(), v.shape)
+    size, numel = changes.get("size", d.size), changes.get("numel", d.numel)
+    if numel is not None and numel.dtype == size.dtype and np.array_equal(numel, size):
+        changes["numel"] = size
+    return replace(d, **changes) if changes else d
+
+
+def cut_column(v: npt.NDArray[Any], start: int) -> npt.NDArray[Any]:
+    """Rows ``start:`` of a digest column, one-value columns kept as such."""
+    if len(v) > 1 and v.strides[0] == 0:
+        return np.broadcast_to(v[:1], (len(v) - start,))
+    return np.ascontiguousarray(v[start:])
 
 
 #: profiling names of the entry that closes a coalesced block: ``endCoalescing``
@@ -624,6 +665,7 @@ def digest(trace: RankTrace, *, rank: int, tail: int = DEFAULT_TAIL,
         splits=_splits(trace),
         stopped_in_call=stopped_in_call(trace),
     )
+    out = compact(out)
     return out if window is None else windowed(out, window, e.record_id)
 
 
@@ -743,7 +785,7 @@ def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDig
     for f in fields(d):
         value = getattr(d, f.name)
         if isinstance(value, np.ndarray) and value.shape == (n,):
-            cut[f.name] = np.ascontiguousarray(value[start:])
+            cut[f.name] = cut_column(value, start)
     if d.unit is not None:
         cut["unit"] = np.ascontiguousarray(d.unit[start:] - start)
     cut["details"] = {row - start: det._replace(row=row - start)
@@ -752,9 +794,9 @@ def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDig
         cut["splits"] = {row - start: v for row, v in d.splits.items() if row >= start} or None
     first = (int(record_id[start]) if record_id is not None and len(record_id) == n
              else d.first_record_id + start)
-    return replace(d, header=replace(d.header, dropped=d.dropped + start),
+    return compact(replace(d, header=replace(d.header, dropped=d.dropped + start),
                    first_record_id=first, whole_oldest=True,
                    notes=(*d.notes, f"ring cut to its newest {window} entries (--window {window}; "
                           "from the earliest unfinished one if older): older entries "
                           "count as evicted"),
-                   **cut)  # type: ignore[arg-type]
+                   **cut))  # type: ignore[arg-type]

@@ -696,9 +696,11 @@ class CollectiveRows:
     at: npt.NDArray[np.int32]  # row -> index into ``ranks``
     gid: npt.NDArray[np.int32]  # row -> global group id
     offsets: npt.NDArray[np.int64]  # rank index -> its first row here (len(ranks) + 1)
-    take: npt.NDArray[np.int64]  # row -> index into the concatenated digests' columns
-    seq: npt.NDArray[np.int64]
-    order: npt.NDArray[np.intp]  # rows by (gid, seq), member then record order within
+    #: row -> index into the concatenated digests' columns; this, ``seq`` and
+    #: ``order`` are int32 where their values fit (int64 otherwise)
+    take: npt.NDArray[np.signedinteger[Any]]
+    seq: npt.NDArray[np.signedinteger[Any]]
+    order: npt.NDArray[np.signedinteger[Any]]  # rows by (gid, seq), member then record order
     digests: list[RankDigest]
 
     def column(self, name: str, rows: npt.NDArray[np.intp] | None = None) -> npt.NDArray[Any]:
@@ -706,13 +708,39 @@ class CollectiveRows:
         (at ``rows`` of them, in that order, when given)."""
         return self.column_at(name, self.take if rows is None else self.take[rows])
 
-    def column_at(self, name: str, index: npt.NDArray[np.intp]) -> npt.NDArray[Any]:
+    def column_at(self, name: str, index: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """Digest column ``name`` at ``index`` into the concatenated digests
         (``take``, or a selection of it computed once for several columns)."""
+        out: npt.NDArray[Any] = self.whole(name)[index]
+        return out
+
+    def whole(self, name: str) -> npt.NDArray[Any]:
+        """Digest column ``name`` of every digest, concatenated (what ``take``
+        indexes); a pass that gathers it chunk by chunk holds it once."""
         parts = [getattr(d, name) for d in self.digests]
         if not parts:
             return np.zeros(0, dtype=np.int64)
-        return np.concatenate(parts)[index]
+        return np.concatenate(parts)
+
+    def chunks(self, order: npt.NDArray[Any], keep: npt.NDArray[np.bool_] | None = None,
+               max_rows: int = 1 << 21) -> list[tuple[int, int]]:
+        """``order`` (``self.order``, less the rows ``keep`` drops) cut into slices of
+        whole groups, each of about ``max_rows`` rows or one group: a pass over the
+        slices holds per-row temporaries of one slice, not of 32 million rows."""
+        gid = self.gid if keep is None else self.gid[keep]
+        counts = np.bincount(gid) if len(gid) else np.zeros(0, dtype=np.int64)
+        del gid
+        ends = np.cumsum(counts[counts > 0])
+        out: list[tuple[int, int]] = []
+        lo = 0
+        while lo < len(order):
+            # the last group end within lo + max_rows (at least one group)
+            i = int(np.searchsorted(ends, lo + max_rows, side="right")) - 1
+            hi = int(ends[i]) if i >= 0 and int(ends[i]) > lo \
+                else int(ends[np.searchsorted(ends, lo, side="right")])
+            out.append((lo, hi))
+            lo = hi
+        return out
 
 
 def collective_rows(job: JobModel) -> CollectiveRows:
@@ -722,6 +750,15 @@ def collective_rows(job: JobModel) -> CollectiveRows:
     if job._coll is None:
         job._coll = _collective_rows(job)
     return job._coll
+
+
+def _narrow(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """``a`` as int32 when every value fits (the row index arrays of 32 million rows
+    at 16,384 ranks: half the memory); int64 otherwise."""
+    if a.dtype == np.int32 or len(a) == 0:
+        return a.astype(np.int32, copy=False)
+    lo, hi = int(a.min()), int(a.max())
+    return a.astype(np.int32) if lo >= -(1 << 31) and hi < (1 << 31) else a.astype(np.int64)
 
 
 def _collective_rows(job: JobModel) -> CollectiveRows:
@@ -744,36 +781,46 @@ def _collective_rows(job: JobModel) -> CollectiveRows:
         base[i + 1] = len(luts)
     sizes = np.array([len(d) for d in digests], dtype=np.int64)
     n_local = np.diff(base) - 1
+    # every per-row temporary here is int32 where the values allow (32.8 million
+    # rows at 16,384 ranks: each int64 column is 262 MB)
+    slot_t: type[np.signedinteger[Any]] = np.int32 if len(luts) < (1 << 31) else np.int64
     at_all = np.repeat(np.arange(len(ranks), dtype=np.int32), sizes)
+    group: npt.NDArray[np.signedinteger[Any]]
     if len(at_all):
-        group = np.concatenate([d.group for d in digests]).astype(np.int64)
+        group = np.concatenate([d.group for d in digests]).astype(slot_t)
         p2p = np.concatenate([d.is_p2p for d in digests])
     else:
-        group = np.zeros(0, dtype=np.int64)
+        group = np.zeros(0, dtype=slot_t)
         p2p = np.zeros(0, dtype=np.uint8)
-    n_at = np.repeat(n_local, sizes)
+    n_at = np.repeat(n_local.astype(slot_t), sizes)
     slot = np.where((group >= 0) & (group < n_at), group, n_at)
-    slot += np.repeat(base[:-1], sizes)
     del group, n_at
-    gid_all = np.asarray(luts, dtype=np.int32)[slot]
+    slot += np.repeat(base[:-1].astype(slot_t), sizes)
+    gid_all: npt.NDArray[np.int32] = np.asarray(luts, dtype=np.int32)[slot]
     del slot
-    take = np.flatnonzero((gid_all >= 0) & (p2p == 0)).astype(np.int64)
+    take = _narrow(np.flatnonzero((gid_all >= 0) & (p2p == 0)))
     at = at_all[take]
     gid = gid_all[take]
     del at_all, gid_all, p2p
     offsets = np.searchsorted(at, np.arange(len(ranks) + 1, dtype=np.int32)).astype(np.int64)
-    seq = (np.concatenate([d.seq for d in digests])[take] if len(take)
+    seq = (_narrow(np.concatenate([d.seq for d in digests])[take]) if len(take)
            else np.zeros(0, dtype=np.int64))
     order: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
     if len(seq):
         lo, hi = int(seq.min()), int(seq.max())
         span = hi - lo + 1
         if len(job.groups) * span < 1 << 62:
-            order = np.argsort(gid.astype(np.int64) * span + (seq - lo), kind="stable")
+            key = gid.astype(np.int64)
+            key *= span
+            key += seq
+            key -= lo
+            order = np.argsort(key, kind="stable")
+            del key
         else:
             order = np.lexsort((seq, gid))
         if not job.members_ascending():
             order = _in_member_order(job, ranks, at, gid, seq, order)
+        order = _narrow(order)
     return CollectiveRows(ranks=ranks, at=at, gid=gid, offsets=offsets, take=take, seq=seq,
                           order=order, digests=digests)
 

@@ -58,7 +58,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from frforensics.analyzer.digest import EntryDetail, RankDigest
+from frforensics.analyzer.digest import EntryDetail, RankDigest, compact
 from frforensics.errors import FrForensicsError
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
@@ -815,7 +815,7 @@ def _digest_of(v: dict[str, Any]) -> RankDigest:
             head[name] = enum_type(value)
         except ValueError:
             raise WireError(f"a digest's {name} {value!r:.40} is not one this version knows") from None
-    return RankDigest(header=DumpHeader(**head), **v)
+    return compact(RankDigest(header=DumpHeader(**head), **v))
 
 
 # ------------------------------------------------------------------ checks

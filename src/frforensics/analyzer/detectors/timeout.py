@@ -29,11 +29,13 @@ Worked example (NCCL, 4 ranks; rank 2's GPU hung)::
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from frforensics.analyzer.context import Context
-from frforensics.analyzer.merge import collective_rows
+from frforensics.analyzer.merge import CollectiveRows, collective_rows
 from frforensics.analyzer.waits import Wait
 from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
@@ -150,9 +152,33 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
     order = c.order  # by (gid, seq), then member order, then record order
     if len(order) == 0:
         return []
+    t_all, tmo_all = c.whole("t_enqueue_ns"), c.whole("timeout_ms")
+    firsts: list[tuple[int, int, int]] = []  # whole groups at a time (``chunks``)
+    for lo, hi in c.chunks(order):
+        firsts += _first_late(c, order[lo:hi], t_all, tmo_all)
+    del t_all, tmo_all
+    findings: list[Finding] = []
+    for g, s0, timeout_ms in firsts:
+        group = job.groups[g]
+        if (group.name, s0) in known or (g, s0) in ctx.desynced:
+            continue
+        finding = _late_finding(ctx, g, s0, timeout_ms)
+        if finding is not None:
+            findings.append(finding)
+            if len(findings) >= ctx.options.max_findings_per_kind:
+                break
+    return findings
+
+
+def _first_late(c: CollectiveRows, order: npt.NDArray[Any], t_all: npt.NDArray[np.int64],
+                tmo_all: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
+    """(group, seq, timeout ms) of each group's first late seq among the rows
+    ``order`` (whole groups, sorted), of groups where more than one member has
+    collectives: among its late rows the earliest entry (the first in member, then
+    record order on a tie), as the by-group sort has it."""
     seq, gid = c.seq[order], c.gid[order]
     index = c.take[order]
-    t, tmo = c.column_at("t_enqueue_ns", index), c.column_at("timeout_ms", index)
+    t, tmo = t_all[index], tmo_all[index].astype(np.int64, copy=False)
     del index
     starts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])])
     first_t = np.repeat(np.minimum.reduceat(t, starts), np.diff(np.r_[starts, len(seq)]))
@@ -160,32 +186,21 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
     hits = np.flatnonzero(late)
     if len(hits) == 0:
         return []
-    # each group's first late seq; among its late rows the earliest entry (the
-    # first in member, then record order on a tie), as the by-group sort has it
     group_starts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1]])
     group_ends = np.r_[group_starts[1:], len(gid)]
     hit_gid, hit_seq = gid[hits], seq[hits]
     bounds = np.flatnonzero(np.r_[True, (hit_gid[1:] != hit_gid[:-1])
                                   | (hit_seq[1:] != hit_seq[:-1]), True])
-    firsts: list[tuple[int, int, int]] = []
+    out: list[tuple[int, int, int]] = []
     for i in np.unique(hit_gid, return_index=True)[1].tolist():
         block = hits[i:int(bounds[np.searchsorted(bounds, i, side="right")])]
         pick = int(block[int(np.argmin(t[block]))])
-        firsts.append((int(gid[pick]), int(seq[pick]), pick))
-    findings: list[Finding] = []
-    for g, s0, pick in firsts:
-        group = job.groups[g]
-        if (group.name, s0) in known or (g, s0) in ctx.desynced:
-            continue
+        g = int(gid[pick])
         lo = int(np.searchsorted(group_starts, np.searchsorted(gid, g)))
         if len(np.unique(c.at[order[group_starts[lo]:group_ends[lo]]])) < 2:
             continue  # one member has the group's collectives: nobody to be late against
-        finding = _late_finding(ctx, g, s0, int(tmo[pick]))
-        if finding is not None:
-            findings.append(finding)
-            if len(findings) >= ctx.options.max_findings_per_kind:
-                break
-    return findings
+        out.append((g, int(seq[pick]), int(tmo[pick])))
+    return out
 
 
 def _late_finding(ctx: Context, gid: int, s0: int, timeout_ms: int) -> Finding | None:
