@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from frforensics._gc import gc_paused
-from frforensics.analyzer import AnalyzeOptions
+from frforensics.analyzer import AnalyzeOptions, merge
 from frforensics.analyzer.context import Context
 from frforensics.analyzer.detectors.straggler import (
     _first_occurrence,
@@ -162,6 +162,15 @@ def _assert_same(job: JobModel, ctx: Context) -> None:
     assert fast == slow
 
 
+@pytest.fixture(params=["one slice", "slices of 5 rows"])
+def slices(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The all-group passes over one slice of rows, then over slices of whole
+    groups of ~5 rows (at 16,384 ranks they go 2 million rows at a time)."""
+    if request.param != "one slice":
+        monkeypatch.setattr(merge, "ORDER_SLICE_ROWS", 5)
+
+
+@pytest.mark.usefixtures("slices")
 @pytest.mark.parametrize("mode", ["nccl", "gloo"])
 def test_all_group_passes_agree_with_the_per_group_reference(mode: str) -> None:
     seen = {"mismatch": 0, "late": 0, "evicted": 0}
@@ -205,6 +214,25 @@ def test_collective_rows_are_every_members_view() -> None:
     assert keys == sorted(keys)
 
 
+@pytest.mark.parametrize("permute", [False, True])
+def test_ordered_slices_hold_whole_groups_and_make_the_one_order(permute: bool) -> None:
+    digests = _digests("nccl", 3)
+    if permute:
+        digests = _permuted(digests, random.Random(3))
+    c = collective_rows(build_job(digests))
+    whole = c.order
+    assert len(whole) == len(c.seq) and len(list(c.ordered())) == 1
+    keep = np.random.default_rng(3).random(len(c.seq)) < 0.8
+    for kept in (None, keep):
+        one = np.concatenate(list(c.ordered(kept)))
+        parts = list(c.ordered(kept, max_rows=5))
+        assert len(parts) > 3
+        assert np.array_equal(np.concatenate(parts), one)
+        groups = [set(c.gid[p].tolist()) for p in parts]
+        assert all(a.isdisjoint(b) for i, a in enumerate(groups) for b in groups[i + 1:])
+    assert np.array_equal(np.concatenate(list(c.ordered(keep))), whole[keep[whole]])
+
+
 def _permuted(digests: dict[int, RankDigest], rng: random.Random) -> dict[int, RankDigest]:
     """The same dumps with every group of several members listing them in a random
     order (the same order, one tuple, in every rank's dump)."""
@@ -226,6 +254,7 @@ def _permuted(digests: dict[int, RankDigest], rng: random.Random) -> dict[int, R
     return out
 
 
+@pytest.mark.usefixtures("slices")
 def test_members_listed_out_of_rank_order_agree_with_the_per_group_reference() -> None:
     # (NCCL dumps list members; PyTorch's gloo dumps list none, nothing to permute)
     seen = {"mismatch": 0, "late": 0}

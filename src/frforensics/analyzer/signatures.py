@@ -15,6 +15,7 @@ cut by ``--window`` (``whole_oldest``: that cut never splits a block).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -159,28 +160,26 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     c = collective_rows(job)
     keep = _uncut(job, c)
     keep = _in_program_order(job, c, keep)
-    order = c.order if keep is None else c.order[keep[c.order]]
-    if len(order) == 0:
+    if len(c.seq) == 0:
         return ()
     # whole groups at a time: the per-row temporaries of one slice, not of every
     # row (at 16,384 ranks they were 3.1 GB at once)
-    columns = tuple(c.whole(name) for name in ("op_hash", "dtype_hash", "size"))
+    columns = tuple(c.getter(name) for name in ("op_hash", "dtype_hash", "size"))
     found: list[Mismatch] = []
-    for lo, hi in c.chunks(order, keep):
-        found += _slice_mismatches(job, c, order[lo:hi], columns)
+    for order in c.ordered(keep):
+        found += _slice_mismatches(job, c, order, columns)
     return tuple(found)
 
 
 def _slice_mismatches(job: JobModel, c: CollectiveRows, order: npt.NDArray[Any],
-                      columns: tuple[npt.NDArray[Any], ...]) -> tuple[Mismatch, ...]:
+                      columns: tuple[Callable[[npt.NDArray[Any]], npt.NDArray[Any]], ...],
+                      ) -> tuple[Mismatch, ...]:
     """``find_mismatches`` over the rows ``order`` (whole groups, sorted)."""
     # by (group, seq), then member order, then record order
     seq, gid, at = c.seq[order], c.gid[order], c.at[order]
-    index = c.take[order]
-    op = columns[0][index].astype(np.int64)
-    dtype = _dtypes(columns[1][index])
-    size = columns[2][index].astype(np.int64, copy=False)
-    del index
+    op = columns[0](order).astype(np.int64)
+    dtype = _dtypes(columns[1](order))
+    size = columns[2](order).astype(np.int64, copy=False)
     n = len(seq)
     ustarts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])
                                    | (at[1:] != at[:-1])])
@@ -197,24 +196,31 @@ def _slice_mismatches(job: JobModel, c: CollectiveRows, order: npt.NDArray[Any],
 
 def _uncut(job: JobModel, c: CollectiveRows) -> npt.NDArray[np.bool_] | None:
     """Rows ``units`` compares (None: all): the oldest seq of a rank's window on a
-    group is left out where the ring's eviction may have cut it (``_maybe_cut``)."""
+    group is left out where the ring's eviction may have cut it (``_maybe_cut``).
+    A rank's rows on a group are taken from ``c`` (what ``job.view`` holds, without
+    caching a view per (rank, group): 262 MB at 16,384 ranks)."""
     keep: npt.NDArray[np.bool_] | None = None
+    base = 0
     for i, rank in enumerate(c.ranks):
         d = job.digests[rank]
-        if d.whole_oldest or not job.window_evicted(rank):
-            continue
         lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
-        # the rank's groups (a superset of those its rows in ``c`` are on: a group
-        # without rows there changes nothing below), not np.unique over its rows
+        start, base = base, base + len(d)
+        if d.whole_oldest or not job.window_evicted(rank) or lo == hi:
+            continue
+        gids = c.gid[lo:hi]
+        # the rank's groups (a superset of those its rows in ``c`` are on), not
+        # np.unique over its rows
         for gid in sorted({g for g in (job.group_of.get((rank, local), -1)
                                        for local in range(len(d.groups))) if g >= 0}):
-            view = job.view(rank, gid)
-            if view is None or len(view.coll_rows) == 0:
+            on = gids == gid
+            if not on.any():
                 continue
-            if _maybe_cut(job, rank, view.coll_rows, view.min_seq):
+            rows = c.take[lo:hi][on].astype(np.intp) - start
+            min_seq = int(c.seq[lo:hi][on].min())
+            if _maybe_cut(job, rank, rows, min_seq):
                 if keep is None:
                     keep = np.ones(len(c.seq), dtype=np.bool_)
-                keep[lo:hi] &= ~((c.gid[lo:hi] == gid) & (c.seq[lo:hi] == view.min_seq))
+                keep[lo:hi] &= ~(on & (c.seq[lo:hi] == min_seq))
     return keep
 
 

@@ -333,8 +333,13 @@ class _Gathered:
                                    for d, n in zip(digests, sizes.tolist(), strict=True)])
 
         at = np.repeat(np.arange(len(ranks), dtype=np.int64), sizes)
+        # (at 16,384 ranks every column here is 8.4 million rows: each temporary
+        # is deleted once used)
         group = cat("group").astype(np.int64)
-        local = np.where((group >= 0) & (group < n_local[at]), group, n_local[at]) + base[at]
+        own = n_local[at]
+        local = np.where((group >= 0) & (group < own), group, own)
+        del group, own
+        local += base[at]
         gid = lut_cat[local]
         t_complete = cat("t_complete_ns")
         t_enqueue = cat("t_enqueue_ns")
@@ -351,6 +356,11 @@ class _Gathered:
         rel = np.fmin(_release(at, t_complete, releases,
                                np.where(releases, comp, np.nan), sizes),
                       t_enqueue.astype(np.float64))
+        del releases, gpu, t_complete
+        self.p2p = _p2p_pairs(np.asarray(ranks, dtype=np.int64), at, gid, cat("is_p2p"),
+                              cat("peer"), cat("peer_seq"), cat("op_hash"), t_enqueue, comp, rel,
+                              done)
+        del done
 
         rows = np.flatnonzero((cat("is_p2p") == 0) & (gid >= 0) & (t_enqueue > 0))
         seq = cat("seq")[rows].astype(np.int64)
@@ -364,6 +374,7 @@ class _Gathered:
         neg[at_r[seq < 0]] = True
         self.dense_ok = not neg.any()
         first = _first_of_each(at_r, canon_cat[local[rows]], key)
+        del local, at, gid
         for a in np.flatnonzero(neg).tolist():
             mine = np.flatnonzero(at_r == a)
             first[mine] = _first_occurrence(key[mine])
@@ -393,9 +404,6 @@ class _Gathered:
         self.op_names: dict[int, str] = {}
         for a in self.at_list:
             self.op_names.update(digests[a].op_names)
-        self.p2p = _p2p_pairs(np.asarray(ranks, dtype=np.int64), at, gid, cat("is_p2p"),
-                              cat("peer"), cat("peer_seq"), cat("op_hash"), t_enqueue, comp, rel,
-                              done)
         if self.p2p is not None:
             for d in digests:
                 self.op_names.update({h: n for h, n in d.op_names.items()

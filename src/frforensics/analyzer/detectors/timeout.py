@@ -29,6 +29,7 @@ Worked example (NCCL, 4 ranks; rank 2's GPU hung)::
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -149,13 +150,12 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
     group form as their oracle)."""
     job = ctx.job
     c = collective_rows(job)
-    order = c.order  # by (gid, seq), then member order, then record order
-    if len(order) == 0:
+    if len(c.seq) == 0:
         return []
-    t_all, tmo_all = c.whole("t_enqueue_ns"), c.whole("timeout_ms")
-    firsts: list[tuple[int, int, int]] = []  # whole groups at a time (``chunks``)
-    for lo, hi in c.chunks(order):
-        firsts += _first_late(c, order[lo:hi], t_all, tmo_all)
+    t_all, tmo_all = c.getter("t_enqueue_ns"), c.getter("timeout_ms")
+    firsts: list[tuple[int, int, int]] = []
+    for order in c.ordered():  # whole groups at a time, by (gid, seq), member order
+        firsts += _first_late(c, order, t_all, tmo_all)
     del t_all, tmo_all
     findings: list[Finding] = []
     for g, s0, timeout_ms in firsts:
@@ -170,16 +170,17 @@ def _late_entries(ctx: Context, known: set[tuple[str, int | None]]) -> list[Find
     return findings
 
 
-def _first_late(c: CollectiveRows, order: npt.NDArray[Any], t_all: npt.NDArray[np.int64],
-                tmo_all: npt.NDArray[np.int64]) -> list[tuple[int, int, int]]:
+def _first_late(c: CollectiveRows, order: npt.NDArray[Any],
+                t_all: Callable[[npt.NDArray[Any]], npt.NDArray[np.int64]],
+                tmo_all: Callable[[npt.NDArray[Any]], npt.NDArray[np.int64]],
+                ) -> list[tuple[int, int, int]]:
     """(group, seq, timeout ms) of each group's first late seq among the rows
     ``order`` (whole groups, sorted), of groups where more than one member has
     collectives: among its late rows the earliest entry (the first in member, then
     record order on a tie), as the by-group sort has it."""
     seq, gid = c.seq[order], c.gid[order]
-    index = c.take[order]
-    t, tmo = t_all[index], tmo_all[index].astype(np.int64, copy=False)
-    del index
+    t = t_all(order).astype(np.int64, copy=False)
+    tmo = tmo_all(order).astype(np.int64, copy=False)
     starts = np.flatnonzero(np.r_[True, (gid[1:] != gid[:-1]) | (seq[1:] != seq[:-1])])
     first_t = np.repeat(np.minimum.reduceat(t, starts), np.diff(np.r_[starts, len(seq)]))
     late = (t > 0) & (first_t > 0) & (tmo > 0) & ((t - first_t) > tmo * 1_000_000)
