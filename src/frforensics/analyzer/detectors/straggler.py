@@ -454,8 +454,9 @@ def _durations_between(digests: list[RankDigest], sizes: I8, rows: I8, at: I8, g
     when one of them has no duration or there is no previous collective.
     """
     if all(d.duration_ns is None for d in digests):  # no timing (gloo, NCCL by default)
-        nothing = np.full(len(rows), np.nan)
-        return nothing, nothing.copy(), nothing.copy()
+        # one read-only NaN for every row (only ever indexed: 67 MB each at 16,384 ranks)
+        nothing: F8 = np.broadcast_to(np.float64(np.nan), (len(rows),))
+        return nothing, nothing, nothing
     n_rows = int(sizes.sum())
     dur_all = np.full(n_rows, -1, dtype=np.int64)
     first_of_unit = np.ones(n_rows, dtype=np.bool_)
