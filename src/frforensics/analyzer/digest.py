@@ -310,7 +310,7 @@ def _dtype_name(dtype: np.dtype[Any]) -> str:
 def _rebuild_digest(values: tuple[Any, ...], layout: tuple[tuple[int, str, int, int], ...],
                     blob: bytes) -> RankDigest:
     """A :class:`RankDigest` from its ``__reduce__``; the columns are writable, as
-    unpickled arrays are."""
+    unpickled arrays are, but one-value columns (``compact``): read-only views."""
     buf = bytearray(blob)
     out = list(values)
     for i, name, count, offset in layout:
