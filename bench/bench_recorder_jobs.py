@@ -1,6 +1,6 @@
 """What a job pays for a flight recorder: plain gloo, + PyTorch's recorder, + ours (issue 31).
 
-    python bench/bench_recorder_jobs.py [--repeats 5] [--parts single,job,ablate]
+    python bench/bench_recorder_jobs.py [--repeats 5] [--parts single,unpinned,job,ablate,memory]
     python bench/bench_recorder_jobs.py --smoke        # seconds: CI's check that it runs
 
 Every configuration runs in its own process(es), as a job would see it: PyTorch's
@@ -30,6 +30,13 @@ Parts:
   no ``_push``, no stack, the pure-Python walk, the watchdog stopped, the GC off or
   frozen, the C++ entry point (what DDP's reducer pays: pybind trampoline), and
   the same over a no-op backend (our own cost, no gloo jitter).
+* ``memory`` — world size 1, each configuration in its own process: the process's
+  resident size (``/proc/self/statm``) after 100 ops, after 2100 (both rings full:
+  2000 entries) and after 6100 (the rings evicting: the steady state), 16-float
+  ``all_reduce``s 8 frames deep. What a recorder *keeps* is its growth minus plain
+  gloo's in the same round; for ours also the ring alone (minus ours with a
+  10-entry ring) and its Python objects (``tracemalloc`` over the fill, in a child
+  of its own: tracemalloc's tables would count as resident).
 
 Raw results: ``bench/results/recorder-jobs-<time>.json`` (and ``.md``, the tables).
 """
@@ -127,6 +134,8 @@ def _enable_ours(config: str) -> None:
         overrides["stack_depth"] = 0
     if config.endswith("/slow-poll"):
         overrides["poll_interval_s"] = 1.0
+    if config.endswith("/ring10"):
+        overrides["buffer_size"] = 10
     recorder.enable(tempfile.mkdtemp(prefix="frbench_"), timeout_s=600, save_native=False,
                     **overrides)
 
@@ -194,6 +203,50 @@ def _ws1_child(config: str, sizes: list[int], batches: int, ops: int) -> dict[st
         _drop_works()
         dist.destroy_process_group()
     return result
+
+
+def _memory_child(config: str, ring: int) -> dict[str, Any]:
+    """Resident size after 100 ops, after the rings filled (``ring`` more) and after
+    they evicted twice their size (see the module doc, ``memory``)."""
+    import tracemalloc
+
+    import torch
+    import torch.distributed as dist
+
+    call, rec, _ = _gloo_setup(config, dist)
+    t = torch.ones(16)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def settle() -> int:
+        time.sleep(0.05)  # the watchdog drops the works it polled
+        gc.collect()
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    in_user_code(DEPTH, lambda: _loop(call, (t,), 100, None))
+    before = settle()
+    traced = None
+    # tracemalloc's own tables are resident too: only its own child counts objects
+    trace = config.endswith("/traced")
+    if trace:
+        tracemalloc.start(1)
+        base = tracemalloc.get_traced_memory()[0]
+    in_user_code(DEPTH, lambda: _loop(call, (t,), ring, None))
+    if trace:
+        time.sleep(0.05)
+        gc.collect()
+        traced = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+    full = settle()
+    in_user_code(DEPTH, lambda: _loop(call, (t,), 2 * ring, None))
+    steady = settle()
+    out = {"config": config, "rss_before": before, "fill": full - before,
+           "steady": steady - before, "ring_python_bytes": traced,
+           "recorded": None if rec is None else rec.count, "ring": ring,
+           "buffer_size": None if rec is None else rec.config.buffer_size}
+    _drop_works()
+    dist.destroy_process_group()
+    return out
 
 
 def _churn() -> None:
@@ -591,12 +644,17 @@ def _tasks(parts: list[str]) -> list[tuple[str, str]]:
         tasks += [("unpinned", c) for c in UNPINNED]
     if "job" in parts:
         tasks += [("job", c) for c in CONFIGS]
+    if "memory" in parts:
+        tasks += [("memory", c) for c in [*CONFIGS, "ours/ring10", "ours/traced"]]
     return tasks
 
 
 def _run_task(part: str, config: str, specs: dict[str, Any], round_: int) -> Any:
     if part == "job":
         return _run_job(config, specs["job"], 600)
+    if part == "memory":
+        return _run_child(["--child", "memory:" + config, "--spec", json.dumps(specs["memory"])],
+                          _env(config), 600)
     spec = specs["pieces" if config == "pieces" else "ablate" if part == "unpinned" else part]
     # pinned children: every thread on one CPU, the same CPU for every child of a round
     cpu = round_ % (os.cpu_count() or 1) if part == "ablate" or config.endswith(PIN) else None
@@ -631,7 +689,7 @@ def _rounds(tasks: list[tuple[str, str]], specs: dict[str, Any], repeats: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--parts", default="single,unpinned,job,ablate")
+    parser.add_argument("--parts", default="single,unpinned,job,ablate,memory")
     parser.add_argument("--ops", type=int, default=4000, help="ops per batch (world size 1)")
     parser.add_argument("--batches", type=int, default=5, help="batches per size (world size 1)")
     parser.add_argument("--smoke", action="store_true", help="seconds: every path, tiny sizes")
@@ -643,6 +701,10 @@ def main() -> None:
     pin = os.environ.get("BENCH_PIN_CPU")
     if pin is not None and (args.child or args.rank_child):
         os.sched_setaffinity(0, {int(pin)})  # before torch starts any thread
+    if args.child and args.child.startswith("memory:"):
+        print(json.dumps(_memory_child(args.child.removeprefix("memory:"),
+                                       json.loads(args.spec)["ops"])))
+        return
     if args.child == "pieces":
         print(json.dumps(_pieces_child(json.loads(args.spec)["number"])))
         return
@@ -654,7 +716,7 @@ def main() -> None:
         print(json.dumps(_rank_child(args.rank_child, json.loads(args.spec))))
         return
     parts = [p for p in args.parts.split(",") if p]
-    unknown = set(parts) - {"single", "unpinned", "job", "ablate"}
+    unknown = set(parts) - {"single", "unpinned", "job", "ablate", "memory"}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}")
     if args.smoke:
@@ -663,6 +725,7 @@ def main() -> None:
         "single": {"sizes": SIZES, "batches": args.batches, "ops": args.ops},
         "ablate": {"sizes": SIZES[:1], "batches": args.batches, "ops": args.ops},
         "pieces": {"number": 200 if args.smoke else 5000},
+        "memory": {"ops": 2000},
         "job": ({"ops": 100, "batches": 1, "warmup": 1, "steps": 2, "tp_blocks": 2}
                 if args.smoke else
                 {"ops": 200, "batches": 3, "warmup": 5, "steps": 15, "tp_blocks": 12}),
@@ -741,7 +804,29 @@ def report(runs: dict[str, dict[str, list[Any]]], meta: dict[str, Any]) -> str:
     lines += _report_unpinned(single, runs.get("unpinned", {}))
     lines += _report_job(runs.get("job", {}))
     lines += _report_ablate(single, runs.get("ablate", {}))
+    lines += _report_memory(runs.get("memory", {}))
     return "\n".join(lines)
+
+
+def _report_memory(mem: dict[str, list[Any]]) -> list[str]:
+    if not mem:
+        return []
+    ring = next((r["ring"] for runs in mem.values() for r in runs if r), 0)
+    lines = [f"## Memory: resident size a recorder keeps, world size 1, KiB ({ring}-entry rings)",
+             "", HEADER]
+    for label, key in ((f"after {ring} ops (the rings full)", "fill"),
+                       (f"after {3 * ring} ops (evicting: the steady state)", "steady")):
+        vals = {c: _values(mem.get(c, []), lambda r, key=key: r[key] / 1024) for c in CONFIGS}
+        lines.append(_row3(label, vals, 0))
+    traced = spread(_present(_values(mem.get("ours/traced", []), lambda r: r["ring_python_bytes"]
+                                     and r["ring_python_bytes"] / 1024)))
+    alone = spread(_paired(_values(mem.get("ours", []), lambda r: r["steady"] / 1024),
+                           _values(mem.get("ours/ring10", []), lambda r: r["steady"] / 1024)))
+    lines += ["", f"Ours, the ring alone: resident, steady, minus ours with a 10-entry ring "
+              f"(what the rest of the recorder keeps) {cell(alone, 0, True)} KiB; the Python "
+              f"objects the fill left (`tracemalloc`, in a child of its own: its tables are "
+              f"resident too) {cell(traced, 0)} KiB.", ""]
+    return lines
 
 
 HEADER = ("| | plain gloo | + PyTorch's recorder (added) | + frforensics (added) | "

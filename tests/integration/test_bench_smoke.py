@@ -54,7 +54,8 @@ def test_bench_recorder_jobs_smoke(tmp_path: Path) -> None:
     # issue 31's table: every configuration, part and ablation runs (tiny sizes)
     out = _run(BENCH / "bench_recorder_jobs.py", "--smoke", "--out", tmp_path / "r.json")
     for row in ("1048576 floats: wall", "DDP step: time (median step)",
-                "TP step: time (median step)", "`noop+ours/gc-off`", "C stack walk alone"):
+                "TP step: time (median step)", "`noop+ours/gc-off`", "C stack walk alone",
+                "after 2000 ops (the rings full)"):
         assert row in out, out[-3000:]
     assert (tmp_path / "r.json").exists() and (tmp_path / "r.md").exists()
 
