@@ -129,6 +129,23 @@ def test_only_each_ranks_recent_window_is_judged(monkeypatch: pytest.MonkeyPatch
     assert whole.findings[0].evidence["collectives"] > total
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["healthy", "straggler"])
+def test_a_job_is_judged_once_for_the_finding_and_the_notes(
+        late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # detect() and unjudged() (the report's notes when there is no finding) read one
+    # judgement: judged twice, a healthy 16,384-rank job paid the gather twice
+    from frforensics.analyzer.detectors import straggler
+
+    calls: list[int] = []
+    judge = straggler._judge_once
+    monkeypatch.setattr(straggler, "_judge_once", lambda ctx: calls.append(1) or judge(ctx))
+    b = job(8, seed=4)
+    dumps = (b.straggler(rank=5, delay_ms=15.0) if late else b).build()
+    report = analyze_dumps(dumps, "frdump")
+    assert report.culprit_ranks == ((5,) if late else ())
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("span_ns", [10**9, 2**61], ids=["lifted", "rank-by-rank"])
 def test_release_times_match_a_per_rank_running_max(span_ns: int) -> None:
     """The all-ranks running max, and its rank-by-rank fallback past int64 offsets."""

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from frforensics.analyzer.merge import JobModel
 from frforensics.analyzer.signatures import Mismatch, find_mismatches
@@ -49,6 +50,9 @@ class Context:
     options: AnalyzeOptions
     mismatches: tuple[Mismatch, ...] = ()
     desynced: frozenset[tuple[int, int]] = frozenset()  # (gid, seq) with a mismatch
+    #: what a pass computed once for several readers of this context (the straggler
+    #: rule's judgement: its finding and, when it finds none, the report's notes)
+    memo: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, job: JobModel, graph: WaitGraph, options: AnalyzeOptions) -> Context:
