@@ -43,7 +43,7 @@ from frforensics.model import (
 )
 
 __all__ = ["DTYPE_UNCHECKED", "ROOTED_OPS", "SIZE_FROM_OUTPUT", "EntryDetail", "RankDigest", "coalesced_units", "compact",
-           "compared_dtypes", "compared_side", "cut_column", "digest", "str_hash", "user_frame", "windowed"]
+           "compared_dtypes", "compared_side", "digest", "str_hash", "user_frame", "windowed"]
 
 DEFAULT_TAIL: Final = 32
 
@@ -344,7 +344,7 @@ def compact(d: RankDigest) -> RankDigest:
     return replace(d, **changes) if changes else d
 
 
-def cut_column(v: npt.NDArray[Any], start: int) -> npt.NDArray[Any]:
+def _cut_column(v: npt.NDArray[Any], start: int) -> npt.NDArray[Any]:
     """Rows ``start:`` of a digest column, one-value columns kept as such."""
     if len(v) > 1 and v.strides[0] == 0:
         return np.broadcast_to(v[:1], (len(v) - start,))
@@ -785,7 +785,7 @@ def windowed(d: RankDigest, window: int, record_id: I8 | None = None) -> RankDig
     for f in fields(d):
         value = getattr(d, f.name)
         if isinstance(value, np.ndarray) and value.shape == (n,):
-            cut[f.name] = cut_column(value, start)
+            cut[f.name] = _cut_column(value, start)
     if d.unit is not None:
         cut["unit"] = np.ascontiguousarray(d.unit[start:] - start)
     cut["details"] = {row - start: det._replace(row=row - start)

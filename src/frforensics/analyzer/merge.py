@@ -715,25 +715,6 @@ class CollectiveRows:
         parts = list(self.ordered())
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
 
-    def column(self, name: str, rows: npt.NDArray[np.intp] | None = None) -> npt.NDArray[Any]:
-        """Digest column ``name`` (``op_hash``, ``t_enqueue_ns``, ...) at these rows
-        (at ``rows`` of them, in that order, when given)."""
-        return self.column_at(name, self.take if rows is None else self.take[rows])
-
-    def column_at(self, name: str, index: npt.NDArray[Any]) -> npt.NDArray[Any]:
-        """Digest column ``name`` at ``index`` into the concatenated digests
-        (``take``, or a selection of it computed once for several columns)."""
-        out: npt.NDArray[Any] = self.whole(name)[index]
-        return out
-
-    def whole(self, name: str) -> npt.NDArray[Any]:
-        """Digest column ``name`` of every digest, concatenated (what ``take``
-        indexes)."""
-        parts = [getattr(d, name) for d in self.digests]
-        if not parts:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate(parts)
-
     def getter(self, name: str) -> Callable[[npt.NDArray[Any]], npt.NDArray[Any]]:
         """``get(rows)``: digest column ``name`` at these rows, for a pass that
         gathers it slice by slice (``ordered``): the concatenated column, held
@@ -744,7 +725,7 @@ class CollectiveRows:
             dtype = np.result_type(*parts)
             per = np.array([p[0] if len(p) else 0 for p in parts], dtype=dtype)
             return lambda rows: per[self.at[rows]]
-        full = self.whole(name)
+        full = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         if full.dtype == np.int64:
             full = _narrow(full)  # int32 where the values fit: callers widen a slice
         return lambda rows: full[self.take[rows]]
