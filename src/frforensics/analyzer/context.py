@@ -71,7 +71,13 @@ class Context:
         return self.job.groups[gid].ref()
 
     def pg_label(self, gid: int) -> str:
-        return self.pg(gid).label()
+        # one label a group: a hang of 16,384 ranks describes a wait per rank, and
+        # each description formatted its 2048-member group again (3.8 s)
+        labels: dict[int, str] = self.memo.setdefault("pg_label", {})
+        label = labels.get(gid)
+        if label is None:
+            label = labels[gid] = self.pg(gid).label()
+        return label
 
     def describe(self, wait: Wait) -> str:
         """``'all_reduce #12 on default_pg (ranks 0-3)'``."""

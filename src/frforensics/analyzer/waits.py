@@ -39,7 +39,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -321,6 +321,40 @@ def _active_p2p_rows(job: JobModel, rank: int, blocked: int) -> list[int]:
             if d.is_p2p[r] and r >= blocked and not job.is_queued(rank, int(r))]
 
 
+class _CollStatus(NamedTuple):
+    """Where each member of one collective stands, and what the waits on it read
+    (computed once a collective: a hang of 16,384 ranks has 2048 ranks blocked
+    in each data-parallel collective, each of which read its 2048 members)."""
+
+    status: dict[int, str]
+    unlisted: RankSet
+    completed: bool  # a member completed it
+    unentered: bool  # a member never entered it or left no dump
+    waited: tuple[int, ...]  # members not entered, without a dump or queued
+    waited_set: frozenset[int]
+    entered: tuple[int, ...]  # members that entered or completed it
+    dumped: tuple[int, ...]  # members with a dump
+
+
+def _coll_status(job: JobModel, gid: int, seq: int, issued: int) -> _CollStatus:
+    status: dict[int, str] = {}
+    unlisted = EMPTY
+    members: Sequence[int] = job.groups[gid].ranks
+    if not job.judged_one_by_one(gid):  # too many without a dump: one block
+        members, unlisted = job.member_split(gid)
+    for member in members:
+        if member not in job.digests:
+            status[member] = "no_dump"
+        else:
+            status[member] = job.entered(member, gid, seq, issued_ns=issued)
+    values = set(status.values())
+    waited = tuple(m for m, s in status.items() if s in ("not_entered", "no_dump", "queued"))
+    return _CollStatus(
+        status, unlisted, "completed" in values, bool({"not_entered", "no_dump"} & values),
+        waited, frozenset(waited), tuple(m for m, s in status.items() if s in ("entered", "completed")),
+        tuple(m for m, s in status.items() if s != "no_dump"))
+
+
 def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
     """Find every blocked rank's wait, then the roots and cycles of the graph.
 
@@ -331,7 +365,7 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
     """
     waits: dict[int, Wait] = {}
     young: list[int] = []
-    coll_cache: dict[tuple[int, int], tuple[dict[int, str], RankSet]] = {}
+    coll_cache: dict[tuple[int, int], _CollStatus] = {}
     for rank, d in sorted(job.digests.items()):
         blocked = job.blocked_row(rank)
         if blocked is None:
@@ -357,23 +391,10 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
                                reasons, (), age, detail, confidence, tuple(pairings))
             continue
         seq = int(d.seq[row])
-        cached = coll_cache.get((gid, seq))
-        if cached is None:
-            status: dict[int, str] = {}
-            unlisted = EMPTY
-            issued = int(d.t_enqueue_ns[row])
-            members: Sequence[int] = job.groups[gid].ranks
-            if not job.judged_one_by_one(gid):  # too many without a dump: one block
-                members, unlisted = job.member_split(gid)
-            for member in members:
-                if member not in job.digests:
-                    status[member] = "no_dump"
-                else:
-                    status[member] = job.entered(member, gid, seq, issued_ns=issued)
-            cached = coll_cache[(gid, seq)] = (status, unlisted)
-        status, unlisted = cached
-        if any(s == "completed" for s in status.values()) and (
-                d.gpu_states or not {"not_entered", "no_dump"} & set(status.values())):
+        coll = coll_cache.get((gid, seq))
+        if coll is None:
+            coll = coll_cache[(gid, seq)] = _coll_status(job, gid, seq, int(d.t_enqueue_ns[row]))
+        if coll.completed and (d.gpu_states or not coll.unentered):
             # A collective completes on all members or none: members that finished
             # it prove it ran. This rank's entry is ``started`` (blocked_row skips
             # the scheduled ones that only await retirement): its kernel never
@@ -383,15 +404,13 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
             # may have retired a failure (merge.JobModel._completed_elsewhere); this
             # rank waits on that member.
             waits[rank] = Wait(rank, row, gid, seq, "collective", op, (), {},
-                               tuple(m for m, s in status.items() if s != "no_dump"),
-                               age, detail)
+                               coll.dumped, age, detail)
             continue
-        on_coll = tuple(m for m, s in status.items()
-                        if m != rank and s in ("not_entered", "no_dump", "queued"))
-        entered = tuple(m for m, s in status.items() if s in ("entered", "completed"))
+        on_coll = coll.waited if rank not in coll.waited_set else tuple(
+            m for m in coll.waited if m != rank)
         waits[rank] = Wait(rank, row, gid, seq, "collective", op, on_coll,
-                           {m: status[m] for m in on_coll}, entered, age, detail,
-                           unlisted=unlisted)
+                           {m: coll.status[m] for m in on_coll}, coll.entered, age, detail,
+                           unlisted=coll.unlisted)
 
     roots, cycles = _chains(job, waits)
     graph = WaitGraph(waits=waits, roots=roots, cycles=cycles, young=young)
