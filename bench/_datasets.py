@@ -7,7 +7,8 @@
 * ``*/frdump``: the same dumps after ``fr-analyze convert``.
 * ``clone-<N>/frdump``: a healthy TP 8 × DP job in frdump written by
   :func:`write_cloned_frdumps` (for 16,384 ranks, where simulating and pickling
-  every rank would take the better part of an hour on two cores).
+  every rank would take the better part of an hour on two cores);
+  ``clonehang-<N>-<E>-<H>/frdump`` the same job with rank ``H`` stuck.
 
 A set is complete when its ``.complete`` marker exists; a half-written set is
 regenerated.
@@ -80,7 +81,8 @@ def converted_set(native: Path, *, jobs: int) -> Path:
     return out
 
 
-def write_cloned_frdumps(out: Path, world: int, *, jobs: int, entries: int = ENTRIES) -> Path:
+def write_cloned_frdumps(out: Path, world: int, *, jobs: int, entries: int = ENTRIES,
+                         hang: int | None = None) -> Path:
     """A healthy TP 8 × DP job of ``world`` ranks in frdump, by cloning one simulated rank.
 
     Every rank of a healthy TP × DP job runs the same program; the builder
@@ -88,16 +90,31 @@ def write_cloned_frdumps(out: Path, world: int, *, jobs: int, entries: int = ENT
     its rank, host, pid and group memberships (TP group ``r // 8``, DP group
     ``r % 8``) are those of rank ``r`` of the big job. Entries, names and stacks
     are identical to the simulated rank's.
+
+    ``hang=H``: rank ``H`` stops issuing ops two steps before the end (the
+    builder's ``stuck``) and the rest of the job waits on it, as the 64-rank
+    template simulates it for its rank ``H % 8``: the ranks of ``H``'s TP group
+    are the template's TP group 0 (which holds the stuck rank), every other TP
+    group is a copy of the template's TP group 1 (a TP group whose DP peer in
+    TP group 0 stopped). A rank's behaviour depends only on whether its TP
+    group holds the stuck rank and on its DP index, and the big job's DP group
+    ``d`` holds one rank of the first kind and the rest of the second, as the
+    template's did, so the clone is a consistent job whose one culprit is ``H``.
     """
     if not _fresh(out):
         return out
     started = time.time()
-    print(f"  generating {out} (cloned) ...", flush=True)
+    print(f"  generating {out} (cloned{'' if hang is None else f', rank {hang} stuck'}) ...", flush=True)
     out.mkdir(parents=True)
-    template = _template(entries).traces()
+    template = _template(entries, None if hang is None else hang % 8).traces()
+
+    def source(r: int) -> int:
+        if hang is None:
+            return r % 64
+        return (0 if r // 8 == hang // 8 else 8) + r % 8
 
     def write(r: int) -> None:
-        (out / f"frdump_rank_{r}").write_bytes(frdump.encode(_clone(template[r % 64], r, world)))
+        (out / f"frdump_rank_{r}").write_bytes(frdump.encode(_clone(template[source(r)], r, world)))
 
     _fan_out(world, jobs, write)
     _done(out, started)
@@ -120,10 +137,16 @@ def _fan_out(world: int, jobs: int, write: Callable[[int], None]) -> None:
         os.waitpid(pid, 0)
 
 
-def _template(entries: int) -> JobDumps:
-    """The simulated 64-rank job clones are made of (rings of ``entries`` entries)."""
-    return (JobBuilder(world_size=64, tp=8, dp=8, ring_size=entries, seed=0)
-            .steps(max(10, STEPS * entries // ENTRIES)).build())
+def _template(entries: int, stuck: int | None = None) -> JobDumps:
+    """The simulated 64-rank job clones are made of (rings of ``entries`` entries).
+
+    ``stuck=h``: its rank ``h`` stops issuing two steps before the end.
+    """
+    steps = max(10, STEPS * entries // ENTRIES)
+    job = JobBuilder(world_size=64, tp=8, dp=8, ring_size=entries, seed=0).steps(steps)
+    if stuck is not None:
+        job = job.stuck(rank=stuck, step=steps - 2, after=3)
+    return job.build()
 
 
 def write_cloned_native(out: Path, world: int, *, jobs: int, entries: int = ENTRIES) -> Path:
