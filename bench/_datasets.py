@@ -35,6 +35,7 @@ from frforensics.testing.dumps import JobDumps
 ENTRIES = 2000
 STEPS = 200  # enough steps that every ring holds 2000 entries
 PREFIX = "nccl_trace_rank_"
+HANG_RANK = 13  # the rank of hang_job that skips a TP collective
 
 
 def _fresh(path: Path) -> bool:
@@ -55,7 +56,7 @@ def healthy_job(world: int) -> JobBuilder:
 
 def hang_job(world: int) -> JobBuilder:
     return (JobBuilder(world_size=world, tp=8, pp=4, dp=world // 32, ring_size=ENTRIES, seed=0)
-            .steps(STEPS).skip(rank=13, group="tp", step=STEPS - 2))
+            .steps(STEPS).skip(rank=HANG_RANK, group="tp", step=STEPS - 2))
 
 
 def native_set(root: Path, name: str, job: JobBuilder, *, jobs: int) -> Path:

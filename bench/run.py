@@ -3,7 +3,8 @@
 ::
 
     python bench/run.py [--sizes 256,1024,4096] [--repeat 3] [--jobs N]
-                        [--torch-max 1024] [--big-frdump 16384] [--no-profile]
+                        [--torch-max 1024] [--hang-size 1024] [--big-frdump 16384]
+                        [--big-hang H] [--central 100000] [--no-profile]
     python bench/run.py --dask [--dask-sets 16384:2000:frdump,4096:2000:native,...] [--jobs 2]
 
 Generates (once, under bench/data/, see ``_datasets``) healthy TP 8 × DP jobs
@@ -12,9 +13,12 @@ with a hang at 256 ranks, and a big frdump set; then, for each set and each
 repeat, runs in turn ``torchfrtrace`` (up to ``--torch-max`` ranks: beyond
 ~2048 it does not fit in 24 GiB), ``fr-analyze`` on the pickles,
 ``fr-analyze`` on the frdumps and the unpickle-only floor, each in a fresh
-process, measuring wall time and the peak RSS of its process tree. Prints a
-markdown table of medians and writes it, with the raw runs and a profile of
-fr-analyze at the largest size, to bench/results/.
+process, measuring wall time and the peak RSS of its process tree. The big
+frdump sets are a healthy clone and the same job with rank ``--big-hang`` stuck
+(``_datasets.write_cloned_frdumps``); ``--central N`` adds ``curve.py``'s
+central-step run at N ranks × 250 entries. Prints a markdown table of medians
+and issue 30's targets against what was measured, and writes them, with the
+raw runs and a profile of fr-analyze at the largest size, to bench/results/.
 
 ``--dask`` instead compares, on cloned healthy TP 8 × DP jobs (``RANKS:ENTRIES:FORMAT``
 per set, see ``_datasets.write_cloned_*``), ``fr-analyze DIR --jobs N`` (the local
@@ -166,6 +170,59 @@ def _table(results: dict[str, dict[str, Any]], torch_fit: tuple[float, float] | 
     return "\n".join(lines)
 
 
+#: issue 30's 1,000-host estimate: ranks a host, the wire format's worst case a
+#: rank (docs/scaling.md) and the link to the driver
+HOSTS, WIRE_BYTES_PER_RANK, LINK_BYTES_S = 1000, 12 * 1024, 1.25e9
+
+
+def _targets(results: dict[str, dict[str, Any]], central: dict[str, Any] | None) -> str:
+    """Issue 30's targets, each against what this run measured."""
+    rows: list[tuple[str, str, str]] = []
+
+    def yes(ok: bool) -> str:
+        return "**yes**" if ok else "no"
+
+    for name, r in results.items():
+        m = r["median"].get("fr-analyze frdump")
+        if not name.startswith("clone") or m is None:
+            continue
+        want = r.get("expect", "none")
+        got = r["culprits"].get("fr-analyze frdump", "?")
+        rows.append((f"{name}: < 30 s wall, ≤ 2 GiB peak, culprits {want}",
+                     f"{m[0]:.1f} s, {m[1]:.2f} GiB, culprits {got}",
+                     f"wall {yes(m[0] < 30)}, memory {yes(m[1] <= 2)}, verdict {yes(got == want)}"))
+    for name, r in results.items():
+        med = r["median"]
+        if not name.startswith("hang3d"):
+            continue
+        torch, ours, floor = med.get("torchfrtrace"), med.get("fr-analyze frdump"), med.get("unpickle floor")
+        if torch and ours:
+            rows.append((f"{name}: ≥ 20× torchfrtrace (frdump, wall)",
+                         f"{torch[0]:.2f} s / {ours[0]:.2f} s = {torch[0] / ours[0]:.1f}×",
+                         yes(torch[0] / ours[0] >= 20)))
+        native = med.get("fr-analyze native")
+        if native and floor:
+            rows.append((f"{name}: PyTorch's pickles ≤ the parallel-unpickle floor (wall)",
+                         f"{native[0]:.2f} s / {floor[0]:.2f} s = {native[0] / floor[0]:.2f}",
+                         yes(native[0] <= floor[0])))
+    if central is not None:
+        n = central["ranks"]
+        step = central["receive_cpu_s"] + central["analyze_cpu_s"]
+        rows.append((f"{n:,} ranks × {central['entries']} entries: central step < 10 s "
+                     f"(receive + analyze CPU; verdict {central['status']})",
+                     f"{step:.1f} s, peak {central['central_peak_gib']:.2f} GiB", yes(step < 10)))
+        per_host = central["workers_cpu_s"] / HOSTS
+        wire = n * WIRE_BYTES_PER_RANK / LINK_BYTES_S
+        estimate = per_host + wire + step
+        rows.append((f"{n:,} ranks on {HOSTS:,} hosts: estimate < 30 s (a host decodes its "
+                     f"{n // HOSTS} ranks on one core; {WIRE_BYTES_PER_RANK // 1024} KiB a rank "
+                     f"over {LINK_BYTES_S * 8 / 1e9:.0f} Gb/s; the central step as measured)",
+                     f"{per_host:.2f} + {wire:.2f} + {step:.1f} = {estimate:.1f} s", yes(estimate < 30)))
+    lines = ["| target (issue 30) | measured | met |", "|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return "\n".join(lines)
+
+
 def _fit(results: dict[str, dict[str, Any]]) -> tuple[float, float] | None:
     pts = [(r["ranks"], r["median"]["torchfrtrace"][0]) for n, r in results.items()
            if n.startswith("healthy") and "torchfrtrace" in r["median"]]
@@ -291,8 +348,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--torch-max", type=int, default=1024)
-    ap.add_argument("--hang-size", type=int, default=256, help="0: skip the 3-D hang set")
+    ap.add_argument("--hang-size", type=int, default=1024, help="0: skip the 3-D hang set")
     ap.add_argument("--big-frdump", type=int, default=16384, help="0: skip")
+    ap.add_argument("--big-hang", type=int, default=None,
+                    help="the stuck rank of the big hang set (default: one 3/5 of the way in); -1: skip")
+    ap.add_argument("--central", type=int, default=100_000,
+                    help="ranks of the central-step run (curve.py, 250 entries); 0: skip")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--data", type=Path, default=ROOT / "data")
     ap.add_argument("--results", type=Path, default=RESULTS,
@@ -315,6 +376,7 @@ def main() -> None:
 
     print("dump sets:", flush=True)
     sets: list[tuple[str, int, Path | None, Path | None, list[str]]] = []
+    expect: dict[str, str] = {}  # the culprits a set's verdict must name ("none" by default)
     for n in sizes:
         native = datasets.native_set(args.data, f"healthy-{n}", datasets.healthy_job(n), jobs=args.jobs)
         sets.append((f"healthy-{n}", n, native, datasets.converted_set(native, jobs=args.jobs), []))
@@ -327,13 +389,30 @@ def main() -> None:
         n = args.big_frdump
         big = datasets.write_cloned_frdumps(args.data / f"clone-{n}" / "frdump", n, jobs=args.jobs)
         sets.append((f"clone-{n} (frdump only)", n, None, big, []))
+        hung = n * 3 // 5 // 8 * 8 + 5 if args.big_hang is None else args.big_hang
+        if 0 <= hung < n:
+            path = datasets.write_cloned_frdumps(
+                args.data / f"clonehang-{n}-{datasets.ENTRIES}-{hung}" / "frdump", n, jobs=args.jobs,
+                hang=hung)
+            sets.append((f"clone-{n}, rank {hung} stuck (frdump only)", n, None, path, []))
+            expect[sets[-1][0]] = str(hung)
 
     results: dict[str, dict[str, Any]] = {}
     for name, n, native_dir, frdump_dir, flags in sets:
         print(f"{name}:", flush=True)
         _bench_set(name, n, native_dir, frdump_dir, repeat=args.repeat, jobs=args.jobs,
                    torch=n <= args.torch_max, torch_flags=flags, results=results)
-    table = _table(results, _fit(results))
+        default = str(datasets.HANG_RANK) if name.startswith("hang3d") else "none"
+        results[name]["expect"] = expect.get(name, default)
+    central = None
+    if args.central:
+        from curve import run_one
+
+        path = datasets.write_cloned_frdumps(args.data / f"clone-{args.central}-250" / "frdump",
+                                             args.central, jobs=args.jobs, entries=250)
+        print(f"central step, {args.central} ranks x 250 entries:", flush=True)
+        central = {"ranks": args.central, "entries": 250, **run_one(path, args.central, args.jobs)}
+    table = _table(results, _fit(results)) + "\n\n" + _targets(results, central)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     header = (f"fr-analyze vs torchfrtrace, medians of {args.repeat} runs, --jobs {args.jobs}, "
               f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M')}\n\n")
@@ -342,7 +421,7 @@ def main() -> None:
         largest = max((s for s in sets if s[2] is not None), key=lambda s: s[1])
         body += f"\n## Profile ({largest[0]})\n\n```\n{_profile(largest[2], args.jobs)}```\n"  # type: ignore[arg-type]
     (RESULTS / f"bench-{stamp}.md").write_text(body)
-    (RESULTS / f"bench-{stamp}.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"bench-{stamp}.json").write_text(json.dumps({**results, "central": central}, indent=1))
     print()
     print(body)
 

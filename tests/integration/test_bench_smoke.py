@@ -91,11 +91,20 @@ def test_curve_smoke(tmp_path: Path) -> None:
 
 
 def test_speed_benchmark_smoke(tmp_path: Path) -> None:
+    # every set and issue 30's targets block, tiny: the 3-D hang at 32 ranks, the
+    # big clones (healthy and one rank stuck) at 64, the central step at 64
     _run(BENCH / "run.py", "--sizes", "16", "--repeat", "1", "--jobs", "1", "--torch-max", "0",
-         "--hang-size", "0", "--big-frdump", "0", "--no-profile", "--data", tmp_path / "data",
-         "--results", tmp_path / "results")
+         "--hang-size", "32", "--big-frdump", "64", "--central", "64", "--no-profile",
+         "--data", tmp_path / "data", "--results", tmp_path / "results")
     table = next((tmp_path / "results").glob("bench-*.md")).read_text()
     assert "healthy-16" in table
+    targets = table[table.index("| target (issue 30)"):]
+    # the stuck rank is named, the healthy clone has no culprit
+    assert "| clone-64, rank 37 stuck (frdump only): < 30 s wall, ≤ 2 GiB peak, culprits 37 |" in targets
+    assert "culprits 37 | wall **yes**, memory **yes**, verdict **yes** |" in targets
+    assert "culprits none | wall **yes**, memory **yes**, verdict **yes** |" in targets
+    assert "64 ranks × 250 entries: central step < 10 s" in targets
+    assert "64 ranks on 1,000 hosts: estimate < 30 s" in targets
 
 
 def test_straggler_whatif_smoke(tmp_path: Path) -> None:
