@@ -10,7 +10,8 @@ Each run is a fresh Python process that loads the set with the local pool
 receives the digests) and then analyzes it, and reports by phase, from
 ``getrusage``: the main process's CPU (``RUSAGE_SELF``: the central step,
 receive + analyze) apart from the pool workers' (``RUSAGE_CHILDREN``), wall
-time of each phase and the main process's peak RSS. On a cluster the workers'
+time of each phase and the main process's peak RSS. The child keeps freed
+memory for reuse as ``fr-analyze`` does (``frforensics._malloc``). On a cluster the workers'
 part divides by the hosts; the main process's part is what stays central.
 Writes ``bench/results/curve-<stamp>.{md,json}``.
 """
@@ -33,6 +34,8 @@ import json, resource, sys, time
 from frforensics.analyzer import AnalyzeOptions, analyze
 from frforensics.analyzer.load import load_dumps
 
+from frforensics._malloc import keep_freed_memory
+keep_freed_memory()  # as fr-analyze's main() does
 path, jobs, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def usage():
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)

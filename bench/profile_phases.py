@@ -42,9 +42,11 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    from frforensics._malloc import keep_freed_memory
     from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
     from frforensics.reporting import render
 
+    keep_freed_memory()  # as fr-analyze's main() does
     marks: list[tuple[str, dict[str, float]]] = [("start", _sample())]
     dumps = load_dumps([args.path], jobs=args.jobs)
     marks.append((f"load ({len(dumps.digests)} ranks)", _sample()))

@@ -20,6 +20,7 @@ import typer
 
 from frforensics import __version__
 from frforensics._atomic import WriteError, atomic_file, write_atomic
+from frforensics._malloc import keep_freed_memory
 from frforensics.errors import FrForensicsError, OutputError, UsageError
 from frforensics.formats.limits import DEFAULT_LIMITS
 
@@ -412,6 +413,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if args[:1] == ["--version"]:
         print(f"fr-analyze {__version__}")
         sys.exit(0)
+    keep_freed_memory()  # a one-shot process: freed temporaries are reused, not faulted in again
     try:
         code = app(args=_route_default(args), prog_name="fr-analyze", standalone_mode=False)
     except typer.Exit as exc:
