@@ -411,3 +411,18 @@ def test_a_settled_pause_leaves_its_objects_old_and_the_collector_as_it_was() ->
     finally:
         if not was:
             gc.disable()
+
+
+def test_collective_rows_are_dropped_after_their_last_reader() -> None:
+    # _analyze drops merge.collective_rows after the timeout rule, before the straggler
+    # rule's gather (half a GiB at 16,384 ranks); no rule after it reads them (a reader
+    # there would recompute them: never wrong, but the memory would be back)
+    import inspect
+
+    from frforensics.analyzer import _analyze
+    from frforensics.analyzer.detectors import DETECTORS, timeout
+
+    assert DETECTORS[_analyze._LAST_ROWS_READER] is timeout.detect
+    assert "collective_rows" in inspect.getsource(timeout)
+    for detector in DETECTORS[_analyze._LAST_ROWS_READER + 1:]:
+        assert "collective_rows" not in inspect.getsource(inspect.getmodule(detector)), detector

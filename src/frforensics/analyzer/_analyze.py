@@ -13,9 +13,9 @@ from frforensics._gc import gc_paused
 from frforensics.analyzer.actions import derive_actions
 from frforensics.analyzer.consequences import culprits_of, settle
 from frforensics.analyzer.context import AnalyzeOptions, Context
-from frforensics.analyzer.detectors import DETECTORS, straggler
+from frforensics.analyzer.detectors import DETECTORS, straggler, timeout
 from frforensics.analyzer.load import DumpSet
-from frforensics.analyzer.merge import build_job
+from frforensics.analyzer.merge import build_job, release_collective_rows
 from frforensics.analyzer.waits import build_wait_graph
 from frforensics.model import OpState
 from frforensics.report import (
@@ -72,6 +72,12 @@ def _no_progress(phase: str, done: int, total: int) -> None:
 _FIXED_PHASES = 5
 
 
+#: the last rule that reads ``merge.collective_rows`` (the signature pass reads them
+#: before any rule): the rows are dropped after it, before the straggler rule's
+#: gather; a reader put later recomputes them (slower, never wrong)
+_LAST_ROWS_READER = DETECTORS.index(timeout.detect)
+
+
 def _analyze(dumps: DumpSet, options: AnalyzeOptions, progress: Progress) -> Report:
     if not dumps.digests:
         return Report(
@@ -95,6 +101,8 @@ def _analyze(dumps: DumpSet, options: AnalyzeOptions, progress: Progress) -> Rep
     findings: list[Finding] = []
     for i, detector in enumerate(DETECTORS):
         findings.extend(detector(ctx))
+        if i == _LAST_ROWS_READER:
+            release_collective_rows(job)
         progress(f"rule {detector.__module__.rsplit('.', 1)[-1]}", 4 + i, total)
     findings, beside = settle(ctx, findings, unread=dumps.unread_ranks)
     findings.sort(key=lambda f: (f.severity is not Severity.ERROR, _KIND_ORDER.index(f.kind),

@@ -49,7 +49,8 @@ from frforensics.model import GroupInfo, OpState
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet, listable
 from frforensics.report import GroupRef, format_ranks
 
-__all__ = ["CollectiveRows", "Group", "JobModel", "build_job", "collective_rows"]
+__all__ = ["CollectiveRows", "Group", "JobModel", "build_job", "collective_rows",
+           "release_collective_rows"]
 
 SEND_HASH = str_hash("send")
 RECV_HASH = str_hash("recv")
@@ -777,6 +778,13 @@ def collective_rows(job: JobModel) -> CollectiveRows:
     if job._coll is None:
         job._coll = _collective_rows(job)
     return job._coll
+
+
+def release_collective_rows(job: JobModel) -> None:
+    """Drop ``job``'s :class:`CollectiveRows` once its readers are done (``_analyze``
+    after the last of them): half a GiB of row indices at 16,384 ranks that the
+    straggler rule's gather would otherwise pile on. A later reader recomputes them."""
+    job._coll = None
 
 
 def _narrow(a: npt.NDArray[Any]) -> npt.NDArray[Any]:

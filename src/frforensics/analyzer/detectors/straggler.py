@@ -574,7 +574,7 @@ def _collect(ctx: Context) -> _Rows | None:
     if not g.at_list:
         return None
     cat, lo, hi, max_seq, dense_ok = g.cat, g.lo, g.hi, g.max_seq, g.dense_ok
-    lengths, at_list, op_names, resolution = g.lengths, g.at_list, g.op_names, g.resolution
+    lengths, at_list, op_names, resolution, p2p = g.lengths, g.at_list, g.op_names, g.resolution, g.p2p
     key, gid = cat["key"], cat["gid"]
 
     gids = sorted(lo)
@@ -596,18 +596,33 @@ def _collect(ctx: Context) -> _Rows | None:
         return None
     seg = (np.cumsum(kept) - 1)[dense[keep]]  # kept collectives, numbered densely
     n_seg = int(kept.sum())
+    del dense
     n_rows = np.asarray(lengths, dtype=np.int64)
     pos = np.repeat(np.asarray(at_list, dtype=np.int32), n_rows)[keep]
     seg_size = np.bincount(seg, minlength=n_seg)
-    by_seg = _member_layout(seg, cat["col"][keep], seg_size) or _Layout.sorted_by(seg, n_seg)
+    every = bool(keep.all())
+
+    def kept_rows(name: str) -> npt.NDArray[Any]:
+        # each gathered column is let go as soon as its kept rows are taken, and
+        # taken as it is when every row is kept (a healthy job's windows: no copy)
+        column: npt.NDArray[Any] = cat.pop(name)
+        if every:
+            return column
+        if column.ndim == 1 and column.strides == (0,) and len(column):  # one read-only value
+            return np.broadcast_to(column[0], (len(seg),))
+        taken: npt.NDArray[Any] = column[keep]
+        return taken
+
+    by_seg = _member_layout(seg, kept_rows("col"), seg_size) or _Layout.sorted_by(seg, n_seg)
+    del g, gid
     return _Rows(
-        ranks=np.asarray(ranks, dtype=np.int64), pos=pos, gid=gid[keep], seg=seg,
-        enq=cat["enq"][keep], comp=cat["comp"][keep], rel=cat["rel"][keep],
+        ranks=np.asarray(ranks, dtype=np.int64), pos=pos, gid=kept_rows("gid"), seg=seg,
+        enq=kept_rows("enq"), comp=kept_rows("comp"), rel=kept_rows("rel"),
         key_all=key, keep=keep, starts=np.concatenate(([0], np.cumsum(n_rows)[:-1])),
-        op=cat["op"][keep], seg_size=seg_size,
+        op=kept_rows("op"), seg_size=seg_size,
         by_seg=by_seg, op_names=op_names, resolution_ns=resolution,
-        dur=cat["dur"][keep], between=cat["between"][keep], n_between=cat["n_between"][keep],
-        p2p=g.p2p,
+        dur=kept_rows("dur"), between=kept_rows("between"), n_between=kept_rows("n_between"),
+        p2p=p2p,
     )
 
 
