@@ -306,6 +306,16 @@ def test_a_batch_shares_equal_stacks_and_texts_and_changes_nothing() -> None:
         for t in after.threads:
             for f in t.frames:
                 assert frames.setdefault((f.file, f.line, f.name), id(f)) == id(f)
+    # equal call-site and op-name tables (in the same order): one dict for the
+    # batch; a rank's table keeps its order
+    for name in ("sites", "op_names"):
+        tables = [getattr(d, name) for d in shared if isinstance(d, RankDigest)]
+        assert all(tables), name
+        for i, table in enumerate(tables):
+            same = [t for t in tables if list(t.items()) == list(table.items())]
+            assert len(same) > 1 or name == "op_names", name
+            assert all(t is same[0] for t in same), name
+            assert table is not getattr(list(digests.values())[i], name)
     # and the batch travels back to the main process whole
     back = pickle.loads(pickle.dumps(shared, protocol=pickle.HIGHEST_PROTOCOL))
     for before, after in zip(digests.values(), back, strict=True):

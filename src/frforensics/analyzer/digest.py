@@ -317,8 +317,11 @@ def _rebuild_digest(values: tuple[Any, ...], layout: tuple[tuple[int, str, int, 
         dtype = _DTYPES.get(name)
         if dtype is None:
             dtype = _DTYPES[name] = np.dtype(name)
-        if count < 0:  # one value for every row (``compact``)
-            out[i] = np.broadcast_to(np.frombuffer(buf, dtype, 1, offset), (-count,))
+        if count < 0:  # one value for every row (``compact``), read-only as broadcast_to's
+            # (a stride-0 array over the one value: 1 us against broadcast_to's 4)
+            one = np.ndarray((-count,), dtype, buf, offset, (0,))
+            one.flags.writeable = False
+            out[i] = one
         else:
             out[i] = np.frombuffer(buf, dtype, count, offset)
     rows, details = out[_DETAILS_AT]

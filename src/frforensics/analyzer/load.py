@@ -161,7 +161,8 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
     # The same goes for the kept entries' stacks and texts (op, shapes, dtypes,
     # call site): equal across ranks, one object each per batch, so the main
     # process unpickles each once per batch instead of once per entry (~50
-    # frames per rank, each a dataclass unpickled field by field in Python).
+    # frames per rank, each a dataclass unpickled field by field in Python);
+    # likewise equal call-site and op-name tables.
     shared: dict[tuple[object, ...], GroupInfo] = {}
     share = _Sharer()
     out: list[RankDigest | LoadProblem] = []
@@ -177,7 +178,8 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
             if header.threads:
                 header = replace(header, threads=share.threads(header.threads))
             item = replace(item, groups=groups, details=share.details(item.details),
-                           header=header)
+                           header=header, sites=share.table(item.sites),
+                           op_names=share.table(item.op_names) or {})
         out.append(item)
     return out
 
@@ -187,6 +189,7 @@ class _Sharer:
 
     def __init__(self) -> None:
         self._texts: dict[str, str] = {}
+        self._tables: dict[tuple[tuple[int, str], ...], dict[int, str]] = {}
         self._frames: dict[tuple[str, int, str], Frame] = {}
         self._stacks: dict[tuple[tuple[str, int, str], ...], tuple[Frame, ...]] = {}
         # by identity first (a decoder shares a rank's equal stacks): the key's
@@ -219,6 +222,19 @@ class _Sharer:
                 t_comp, tmo, t(thread, thread), stack(frames),
                 None if loc is None else t(loc, loc)))
         return out
+
+    def table(self, table: dict[int, str] | None) -> dict[int, str] | None:
+        """An equal hash -> text table (call sites, op names) as one dict a batch: the
+        ranks of one program have the same ones (~4 KB a rank sent, and unpickled,
+        once per rank before)."""
+        if not table:
+            return table
+        key = tuple(table.items())
+        canon = self._tables.get(key)
+        if canon is None:
+            t = self._texts.setdefault
+            canon = self._tables[key] = {k: t(v, v) for k, v in table.items()}
+        return canon
 
     def threads(self, threads: tuple[ThreadStack, ...]) -> tuple[ThreadStack, ...]:
         return tuple(replace(t, frames=self.stack(t.frames)) for t in threads)
