@@ -2,7 +2,7 @@
 
 ::
 
-    python bench/profile_phases.py DIR [--jobs 2] [--out FILE.json]
+    python bench/profile_phases.py DIR [--jobs 2] [--window N] [--out FILE.json]
 
 Runs what ``fr-analyze DIR --jobs N`` runs (``load_dumps`` then ``analyze``) in
 this process and prints, per phase, the wall time, the CPU time (user and system)
@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("path")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--window", type=int, default=None,
+                    help="as fr-analyze's --window (default: the whole ring, as below 8,192 dumps)")
     args = ap.parse_args()
     from frforensics._malloc import keep_freed_memory
     from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
@@ -48,7 +50,7 @@ def main() -> int:
 
     keep_freed_memory()  # as fr-analyze's main() does
     marks: list[tuple[str, dict[str, float]]] = [("start", _sample())]
-    dumps = load_dumps([args.path], jobs=args.jobs)
+    dumps = load_dumps([args.path], jobs=args.jobs, window=args.window)
     marks.append((f"load ({len(dumps.digests)} ranks)", _sample()))
     report = analyze(dumps, options=AnalyzeOptions(),
                      progress=lambda phase, done, total: marks.append((phase, _sample())))

@@ -38,6 +38,10 @@ SUBCOMMANDS = ("analyze", "convert", "timeline", "verdict")
 #: ``--window`` with ``--dask``: the straggler detector looks at 512 entries per
 #: rank anyway, and 512 columns are ~3.4 KiB per rank on the wire (docs/scaling.md)
 DASK_WINDOW = 512
+#: without ``--window``, the local pool keeps the whole ring of a job of fewer
+#: dumps and cuts to ``DASK_WINDOW`` from this many (docs/performance.md, "The
+#: window at scale": 16,384 ranks × 2000 entries in 1.9 GiB instead of 3.3)
+AUTO_WINDOW_DUMPS = 8192
 
 
 class Format(str, Enum):
@@ -129,8 +133,9 @@ def analyze(
     window: Annotated[int | None, typer.Option(
         "--window", min=0, help="Analyze each ring's newest N entries (from its earliest "
         "unfinished one if older; the rest count as evicted). 0: the whole ring. Default: the "
-        f"whole ring; {DASK_WINDOW} with --dask, so the central process's memory does not grow "
-        "with the ring size.")] = None,
+        f"whole ring up to {AUTO_WINDOW_DUMPS - 1:,} dumps, {DASK_WINDOW} from {AUTO_WINDOW_DUMPS:,} "
+        f"dumps and with --dask, so the central process's memory does not grow with the ring "
+        "size.")] = None,
 ) -> None:
     """Analyze dumps and print the verdict (the default command)."""
     from frforensics.analyzer import AnalyzeOptions, load_dumps
@@ -149,8 +154,10 @@ def analyze(
         raise UsageError("--deadline does not go with --dask (use --host-deadline)")
     if not paths and manifest is None:
         raise UsageError("no dumps given: pass files, directories or archives")
+    window_from = 0
     if window is None:
-        window = DASK_WINDOW if dask is not None else 0
+        window = DASK_WINDOW
+        window_from = 0 if dask is not None else AUTO_WINDOW_DUMPS
     cut = window or None
     with _Phases(enabled=show_progress) as phases:
         if dask is not None:
@@ -164,7 +171,7 @@ def analyze(
         else:
             dumps = load_dumps([str(p) for p in paths], prefix=prefix, jobs=jobs,
                                progress=phases.reading("decoding dumps"), window=cut,
-                               deadline_s=deadline)
+                               deadline_s=deadline, window_from=window_from)
         report = run_analysis(dumps, options=AnalyzeOptions(world_size=world_size,
                                                             hang_after_s=hang_after),
                               progress=phases.analyzing)

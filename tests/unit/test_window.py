@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import pickle
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -73,3 +75,32 @@ def test_windowed_jobs_keep_every_property(mode: str) -> None:
             if bad and not violations(full, exp, gloo=mode == "gloo"):
                 failures.append(f"{job.describe()}: {bad}")
     assert not failures, "\n".join(failures)
+
+
+def _cut_notes(report: dict[str, object]) -> list[str]:
+    return [n for n in report["notes"] if "ring cut to its newest" in str(n)]  # type: ignore[attr-defined]
+
+
+def test_the_cli_cuts_the_rings_of_a_big_job_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # without --window the local pool keeps the whole ring below AUTO_WINDOW_DUMPS dumps
+    # and cuts to DASK_WINDOW from there (scaled down here: 8 dumps, a window of 48)
+    from frforensics import cli
+
+    job = JobBuilder(world_size=8, tp=4, dp=2, ring_size=200, seed=1).steps(30)
+    job.skip(rank=5, group="tp", step=28).build().write_frdump(tmp_path / "d")
+    monkeypatch.setattr(cli, "DASK_WINDOW", WINDOW)
+
+    def run(*args: str) -> dict[str, object]:
+        with pytest.raises(SystemExit):
+            cli.main(["analyze", str(tmp_path / "d"), "--format", "json", "--jobs", "1", *args])
+        report: dict[str, object] = json.loads(capsys.readouterr().out)
+        assert report["culprit_ranks"] == [5]
+        return report
+
+    monkeypatch.setattr(cli, "AUTO_WINDOW_DUMPS", 9)  # one more dump than there are
+    assert not _cut_notes(run())
+    monkeypatch.setattr(cli, "AUTO_WINDOW_DUMPS", 8)
+    assert _cut_notes(run())
+    assert not _cut_notes(run("--window", "0"))  # the user's choice stands
+    assert _cut_notes(run("--window", "100"))

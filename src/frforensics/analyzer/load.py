@@ -274,12 +274,15 @@ def load_dumps(
     limits: Limits = DEFAULT_LIMITS,
     window: int | None = None,
     deadline_s: float | None = None,
+    window_from: int = 0,
 ) -> DumpSet:
     """Discover and decode every dump under ``paths`` into a :class:`DumpSet`.
 
     ``jobs`` worker processes decode in parallel (default and most: the
     machine's cores); ``progress(done, total)`` is called as files finish;
-    ``window``: see :func:`frforensics.analyzer.digest.windowed`. ``deadline_s``:
+    ``window``: see :func:`frforensics.analyzer.digest.windowed`, applied only
+    when at least ``window_from`` dump files are found on disk (the CLI's
+    default: the whole ring for a small job, a window at scale). ``deadline_s``:
     stop decoding that many seconds after the call (give or take one small batch
     of files); what was not read is in ``DumpSet.unread``, for a partial verdict.
     """
@@ -289,7 +292,7 @@ def load_dumps(
     with gc_paused(settle=True):
         end = None if deadline_s is None else time.monotonic() + deadline_s
         out = _load(paths, prefix=prefix, jobs=cap_jobs(jobs), tail=tail, progress=progress,
-                    limits=limits, window=window, end=end)
+                    limits=limits, window=window, end=end, window_from=window_from)
         out.deadline_s = deadline_s
         return out
 
@@ -304,8 +307,12 @@ def _load(
     limits: Limits,
     window: int | None = None,
     end: float | None = None,
+    window_from: int = 0,
 ) -> DumpSet:
     result = DumpSet()
+    # archive members stream by before the count is known: a window that depends
+    # on the count is for the files on disk only
+    streamed_window = window if not window_from else None
     # Archive members arrive as bytes, one at a time: they are decoded here as
     # they stream by, so an archive never sits in memory whole. Files on disk
     # (cheap to describe) go to the workers.
@@ -318,7 +325,7 @@ def _load(
             _unread(result, item, prefix, limits)
         elif item.data is not None:
             result.add(digest_source(item, prefix=prefix, limits=limits, tail=tail,
-                                     window=window))
+                                     window=streamed_window))
             streamed += 1
             if progress:
                 progress(streamed, streamed)
@@ -326,6 +333,8 @@ def _load(
             on_disk.append(item)
     total = streamed + len(on_disk)
     done = streamed
+    if len(on_disk) < window_from:
+        window = None
     taken: set[int] = set()
     for i, out in _decode_all(on_disk, prefix=prefix, jobs=jobs, tail=tail, limits=limits,
                               window=window, end=end):
