@@ -402,7 +402,7 @@ class _Gathered:
         self.lengths: list[int] = per_rank[self.at_list].tolist()
         self.cat = {
             "key": key[first], "enq": t_enqueue[rows].astype(np.float64), "comp": comp[rows],
-            "rel": rel[rows], "op": cat("op_hash")[rows], "gid": gid_r[first].astype(np.int32),
+            "rel": rel[rows], "op": cat("op_hash")[rows], "gid": gid_r[first].astype(np.int32, copy=False),
             "col": col[first], "dur": dur, "between": between, "n_between": n_between,
         }
         self.op_names: dict[int, str] = {}
@@ -604,9 +604,11 @@ def _collect(ctx: Context) -> _Rows | None:
     n_seg = int(kept.sum())
     del dense
     n_rows = np.asarray(lengths, dtype=np.int64)
-    pos = np.repeat(np.asarray(at_list, dtype=np.int32), n_rows)[keep]
     seg_size = np.bincount(seg, minlength=n_seg)
     every = bool(keep.all())
+    pos = np.repeat(np.asarray(at_list, dtype=np.int32), n_rows)
+    if not every:
+        pos = pos[keep]
 
     def kept_rows(name: str) -> npt.NDArray[Any]:
         # each gathered column is let go as soon as its kept rows are taken, and
