@@ -61,9 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _recbench import GcClock, Meter, cell, free_port, in_user_code, ratio, spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGS = ["plain", "torch_fr", "ours"]
+CONFIGS = ["plain", "torch_fr", "ours", "cxx"]
 PIN = "@pin"  # a world-size-1 child pinned to one CPU (with all its threads)
-LABELS = {"plain": "plain gloo", "torch_fr": "+ PyTorch's recorder", "ours": "+ frforensics"}
+LABELS = {"plain": "plain gloo", "torch_fr": "+ PyTorch's recorder", "ours": "+ frforensics",
+          "cxx": "+ frforensics, native path"}
 SIZES = [16, 16384, 1048576]
 # ablation variant -> (what it is, the variant it is compared with)
 ABLATIONS: dict[str, tuple[str, str]] = {
@@ -136,6 +137,8 @@ def _enable_ours(config: str) -> None:
         overrides["poll_interval_s"] = 1.0
     if config.endswith("/ring10"):
         overrides["buffer_size"] = 10
+    if config.startswith("cxx"):  # the native path (docs/recorder-native.md)
+        overrides["recorder_path"] = "cxx"
     recorder.enable(tempfile.mkdtemp(prefix="frbench_"), timeout_s=600, save_native=False,
                     **overrides)
 
@@ -276,13 +279,19 @@ def _drop_works() -> None:
 
 def _gloo_setup(config: str, dist: Any) -> tuple[Any, Any, Any]:
     """World-size-1 gloo group (recorded for ``ours*``): (the op, the recorder, a hook)."""
-    if config.startswith("ours"):
+    if config.startswith(("ours", "cxx")):
         _enable_ours(config)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     pg = dist.group.WORLD
     rec: Any = None
     hook: Any = None
+    if config.startswith("cxx"):
+        from frforensics.recorder import session
+
+        sess = session()
+        assert sess is not None and sess.rec.cxx is not None, "native path not on"
+        rec = sess.rec
     if config.startswith("ours"):
         from frforensics.recorder import _pg, session
 
@@ -471,12 +480,12 @@ def _rank_child(config: str, spec: dict[str, int]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     clock = GcClock()
-    if config == "ours":
+    if config in ("ours", "cxx"):
         _enable_ours(config)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rec: Any = None
-    if config == "ours":
+    if config in ("ours", "cxx"):
         from frforensics.recorder import session
 
         sess = session()
@@ -485,7 +494,9 @@ def _rank_child(config: str, spec: dict[str, int]) -> dict[str, Any]:
     out: dict[str, Any] = {"config": config, "rank": rank, "torch": torch.__version__}
 
     def count() -> int:
-        return int(rec.count) if rec is not None else 0
+        if rec is None:
+            return 0
+        return int(rec.cxx.count()) if rec.cxx is not None else int(rec.count)
 
     # (b) small all_reduces
     t = torch.ones(16)
@@ -778,13 +789,16 @@ def _present(v: list[float | None]) -> list[float]:
 
 
 def _row3(name: str, vals: dict[str, list[float | None]], digits: int = 1) -> str:
-    """plain | + PyTorch's (added) | + ours (added) | ours/PyTorch's (added)."""
+    """plain | + PyTorch's | + ours | + ours, native path (each added) | ours/PyTorch's |
+    native/PyTorch's."""
     plain = vals["plain"]
     torch_add = spread(_paired(vals["torch_fr"], plain))
     ours_add = spread(_paired(vals["ours"], plain))
+    cxx_add = spread(_paired(vals.get("cxx", []), plain))
     return (f"| {name} | {cell(spread(_present(plain)), digits)} | "
             f"{cell(torch_add, digits, True)} | {cell(ours_add, digits, True)} | "
-            f"{ratio(ours_add, torch_add)} |")
+            f"{cell(cxx_add, digits, True)} | "
+            f"{ratio(ours_add, torch_add)} | {ratio(cxx_add, torch_add)} |")
 
 
 METRICS = [("process CPU", "proc_cpu_us"), ("main-thread CPU", "main_cpu_us"),
@@ -830,7 +844,8 @@ def _report_memory(mem: dict[str, list[Any]]) -> list[str]:
 
 
 HEADER = ("| | plain gloo | + PyTorch's recorder (added) | + frforensics (added) | "
-          "ours / PyTorch's |\n|---|---|---|---|---|")
+          "+ frforensics, native path (added) | ours / PyTorch's | native / PyTorch's |\n"
+          "|---|---|---|---|---|---|---|")
 
 
 def _report_single(single: dict[str, list[Any]], pinned: bool) -> list[str]:

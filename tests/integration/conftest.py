@@ -143,6 +143,11 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "GLOO_SOCKET_IFNAME": env.get(
                     "GLOO_SOCKET_IFNAME", "lo")})
+    # FRT_RECORDER_PATH=cxx runs every job on the recorder's native path
+    # (docs/recorder-native.md: the whole slow lane, one way or the other)
+    path = os.environ.get("FRT_RECORDER_PATH")
+    if path:
+        env["FRFORENSICS_RECORDER_PATH"] = path
     env.update(extra)
     return env
 

@@ -30,6 +30,7 @@ import inspect
 import pickle
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -295,7 +296,7 @@ def _cuda_available() -> bool:
 
 
 def build_group(recorder: Recorder, req: GroupRequest, opts: Any,
-                backend_options: Any) -> RecordingProcessGroup:
+                backend_options: Any) -> Any:
     """The recording wrapper around the backends torch would build for ``req``."""
     timeout = opts.timeout if opts.timeout is not None else c10d.default_pg_timeout
     prefix_store = getattr(opts.store, "underlying_store", None) or opts.store
@@ -328,6 +329,9 @@ def build_group(recorder: Recorder, req: GroupRequest, opts: Any,
         bound = torch_pg.bound_device_id  # nccl2 binds a device when none was given
     dispatch, hook = _hooked_dispatch(req, opts, dmap, backends, default_device, ranks,
                                       prefix_store, bound)
+    if recorder.cxx is not None and hook is None and not state.cuda:
+        return _native_group(recorder, state, opts, backends, dmap, default_device,
+                             prefix_store, bound)
     pg = RecordingProcessGroup(recorder, state, opts.group_rank, opts.group_size, dispatch,
                                default_device, store=prefix_store)
     pg._frf_fr_hook = hook
@@ -337,6 +341,63 @@ def build_group(recorder: Recorder, req: GroupRequest, opts: Any,
     if bound is not None:
         with contextlib.suppress(Exception):
             pg.bound_device_id = bound
+    return pg
+
+
+# The groups the native path records (plain ProcessGroups), with their state.
+_native_states: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDictionary()
+_native_parents: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def native_ring(rec: Recorder) -> Any:
+    """The native ring for ``rec`` (docs/recorder-native.md), or None: then said once."""
+    from frforensics.recorder import _cxx
+    from frforensics.recorder import _ring as R
+
+    module, why = _cxx.load()
+    if module is None:
+        say(f"the native recording path is unavailable: {why}; recording with the Python "
+            "wrapper")
+        return None
+    return module.Ring(rec.config.buffer_size, rec.stack_depth,
+                       list(R.default_skip_prefixes()), 100_000)
+
+
+def state_of(pg: Any) -> GroupState | None:
+    """The recorder's state of a group we built (either path), else None."""
+    state = getattr(pg, "_frf_state", None)
+    if state is None:
+        with contextlib.suppress(TypeError):
+            state = _native_states.get(pg)
+    return state
+
+
+def _native_backends(rec: Recorder, state: GroupState,
+                     backends: dict[str, Any]) -> dict[str, Any]:
+    """Device -> the native recording wrapper of its backend (one per backend object)."""
+    from frforensics.recorder import _cxx
+
+    module, _ = _cxx.load()
+    cgroup = rec.cxx.new_group(state.index, list(state.ranks), int(state.timeout_ms))
+    wrapped: dict[int, Any] = {}
+    for inner in backends.values():
+        if id(inner) not in wrapped:
+            wrapped[id(inner)] = module.wrap(inner, rec.cxx, cgroup)
+    return {device: wrapped[id(inner)] for device, inner in backends.items()}
+
+
+def _native_group(rec: Recorder, state: GroupState, opts: Any, backends: dict[str, Any],
+                  dmap: dict[str, str], default_device: str, prefix_store: Any,
+                  bound: Any) -> Any:
+    """A plain ProcessGroup whose backends are the native recording wrappers."""
+    pg = dist.ProcessGroup(prefix_store, opts.group_rank, opts.group_size)
+    for device, wrapper in _native_backends(rec, state, backends).items():
+        pg._register_backend(torch.device(device), _backend_type(dmap[device]), wrapper)
+    pg._set_default_backend(_backend_type(dmap[default_device]))
+    if bound is not None:
+        with contextlib.suppress(Exception):
+            pg.bound_device_id = bound
+    _native_states[pg] = state
     return pg
 
 
@@ -500,7 +561,7 @@ def _install_helper() -> None:
             return original(*args, **kwargs)
         finally:
             _request.value = previous
-        if isinstance(pg, RecordingProcessGroup):
+        if state_of(pg) is not None:
             _adopt(rec, pg, str(backend), bound.arguments.get("store"), req.is_default)
         return pg, prefix_store
 
@@ -509,7 +570,7 @@ def _install_helper() -> None:
     c10d._new_process_group_helper = _new_process_group_helper
 
 
-def _adopt(rec: Recorder, pg: RecordingProcessGroup, backend: str, store: Any,
+def _adopt(rec: Recorder, pg: Any, backend: str, store: Any,
            is_default: bool) -> None:
     """Make the new group look like torch's own: its real backend name, name, desc.
 
@@ -524,14 +585,17 @@ def _adopt(rec: Recorder, pg: RecordingProcessGroup, backend: str, store: Any,
             stray = hooks.pop(pg, None)
             if stray is not None:
                 stray.remove()
-            if pg._frf_fr_hook is not None:
-                hooks[pg] = pg._frf_fr_hook
+            own = getattr(pg, "_frf_fr_hook", None)
+            if own is not None:
+                hooks[pg] = own
     with contextlib.suppress(Exception):
         c10d._world.pg_map[pg] = (backend, c10d._world.pg_map[pg][1])
         c10d._world.pg_backend_config[pg] = str(c10d.BackendConfig(backend))
     with contextlib.suppress(Exception):
-        pg._frf_state.name = str(pg.group_name)
-        pg._frf_state.desc = str(pg.group_desc)
+        state = state_of(pg)
+        if state is not None:
+            state.name = str(pg.group_name)
+            state.desc = str(pg.group_desc)
     if is_default:
         rec.set_store(store_client(rec, store), pg.rank(), pg.size())
 
@@ -592,7 +656,7 @@ def _install_split() -> None:
         pg = original(*args, **kwargs)
         rec = _installed.get("recorder")
         if (rec is None or not isinstance(pg, dist.ProcessGroup)
-                or isinstance(pg, RecordingProcessGroup)):
+                or state_of(pg) is not None):
             return pg
         try:
             backend = str(c10d._world.pg_map[pg][0])
@@ -620,7 +684,7 @@ _WORLD_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "p
                  "pg_coalesce_state", "pg_flight_recorder_hooks")
 
 
-def wrap_split(rec: Recorder, split: Any, backend: str) -> RecordingProcessGroup:
+def wrap_split(rec: Recorder, split: Any, backend: str) -> Any:
     """The recording wrapper around a group ``split_group`` made, put in its place.
 
     ``split_group`` builds its group with the parent's C++ ``splitGroup`` (no
@@ -653,12 +717,21 @@ def wrap_split(rec: Recorder, split: Any, backend: str) -> RecordingProcessGroup
     store = None
     with contextlib.suppress(Exception):
         store = split.get_group_store()
+    for d, be in backends.items():
+        _note_native_source(dmap[d], be)
+    if rec.cxx is not None and not hooked and not state.cuda:
+        return _native_split(rec, state, split, backends, dmap, default_device, store)
     pg = RecordingProcessGroup(rec, state, split.rank(), split.size(), dispatch, default_device,
                                store=store)
     pg._frf_split_from = split
+    return _put_in_place_of(split, pg, backends, dmap, default_device)
+
+
+def _put_in_place_of(split: Any, pg: Any, backends: dict[str, Any], dmap: dict[str, str],
+                     default_device: str) -> Any:
+    """``pg`` over ``backends`` (device -> backend), named as ``split``, in its place."""
     for d, be in backends.items():
         pg._register_backend(torch.device(d), _backend_type(dmap[d]), be)
-        _note_native_source(dmap[d], be)
     pg._set_default_backend(_backend_type(dmap[default_device]))
     pg._set_group_name(str(split.group_name))
     pg._set_group_desc(str(split.group_desc))
@@ -666,6 +739,17 @@ def wrap_split(rec: Recorder, split: Any, backend: str) -> RecordingProcessGroup
         pg.bound_device_id = split.bound_device_id
     _replace_in_world(split, pg)
     return pg
+
+
+def _native_split(rec: Recorder, state: GroupState, split: Any, backends: dict[str, Any],
+                  dmap: dict[str, str], default_device: str, store: Any) -> Any:
+    """``wrap_split`` on the native path: a plain group over the recording backends."""
+    pg = (dist.ProcessGroup(store, split.rank(), split.size()) if store is not None
+          else dist.ProcessGroup(split.rank(), split.size()))
+    _native_states[pg] = state
+    _native_parents[pg] = split  # kept alive: its backends are the wrapped ones
+    return _put_in_place_of(split, pg, _native_backends(rec, state, backends), dmap,
+                            default_device)
 
 
 def _replace_in_world(old: Any, new: Any) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 DUMP_ON_EXIT_MODES = ("auto", "always", "never")
 VERDICT_SOURCES = ("auto", "dir", "store")
+RECORDER_PATHS = ("python", "cxx")
 
 # Every backend name PyTorch 2.13-2.15 registers for GPUs and CPUs (2.15 adds the
 # three NCCL variants; distributed_c10d.py, ``_register_builtin_*_backend``).
@@ -59,6 +60,10 @@ class RecorderConfig:
     hook_timeout_s: float = 30.0
     abort_after_verdict: bool = False
     straggler_interval_s: float | None = None
+    # How each op is recorded: "python" (the wrapper, _pg.py) or "cxx" (the native
+    # backend wrapper, _cxx/recorder.cpp, built on first use; docs/recorder-native.md).
+    # "cxx" falls back to "python", said once, where it cannot be built.
+    recorder_path: str = "python"
 
     def __post_init__(self) -> None:
         for name in _NUMBERS:
@@ -67,6 +72,8 @@ class RecorderConfig:
                 parse_number(name, value, name)
         if self.dump_on_exit not in DUMP_ON_EXIT_MODES:
             raise ValueError("dump_on_exit must be 'auto', 'always' or 'never'")
+        if self.recorder_path not in RECORDER_PATHS:
+            raise ValueError("recorder_path must be 'python' or 'cxx'")
         if self.verdict_source not in VERDICT_SOURCES:
             raise ValueError("verdict_source must be 'auto', 'dir' or 'store'")
         if self.on_verdict_command is not None and (
@@ -238,6 +245,7 @@ _ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "FRFORENSICS_HOOK_TIMEOUT_S": ("hook_timeout_s", float),
     "FRFORENSICS_ABORT_AFTER_VERDICT": ("abort_after_verdict", _flag),
     "FRFORENSICS_STRAGGLER_INTERVAL_S": ("straggler_interval_s", float),
+    "FRFORENSICS_RECORDER_PATH": ("recorder_path", lambda raw: raw.lower()),
 }
 
 

@@ -126,6 +126,9 @@ class Recorder:
         self.frame_filter = R.FrameFilter(R.default_skip_prefixes())
         self.wrap_backends = config.wrap_backends
         self.pending: collections.deque[Tracked] = collections.deque()
+        # The native ring (``_cxx``'s ``Ring``) when the native path records: groups
+        # it wraps write there, the rest here; :meth:`snapshot` reads both.
+        self.cxx: Any = None
         self.groups: list[GroupState] = []
         self._block_counter = 0
         self.store: StoreLike | None = None
@@ -175,6 +178,28 @@ class Recorder:
         self.errors_logged.add(key)
         with contextlib.suppress(Exception):
             log.warning("frforensics recorder: %s failed: %s: %s", where, type(exc).__name__, exc)
+
+    def snapshot(self) -> tuple[list[Entry], int]:
+        """The live entries oldest first (both paths), and how many were overwritten.
+
+        Where both rings hold entries (a group the native path cannot wrap beside
+        ones it does), they are merged by enqueue time and numbered again in that
+        order: each ring counts its own records.
+        """
+        entries, dropped = self.ring.snapshot()
+        cxx = self.cxx
+        if cxx is None:
+            return entries, dropped
+        native, native_dropped = cxx.snapshot()
+        if not entries:
+            return native, native_dropped
+        if not native:
+            return entries, dropped
+        merged = sorted(entries + native, key=lambda e: e[R.T_ENQUEUE])
+        first = dropped + native_dropped
+        for k, e in enumerate(merged):
+            e[R.RECORD_ID] = first + k
+        return merged, first
 
     # ------------------------------------------------------------ groups and store
 

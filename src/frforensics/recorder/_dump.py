@@ -85,7 +85,7 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
     mono_now = time.monotonic_ns()
     wall_now = time.time_ns()
     offset = wall_now - mono_now
-    entries, dropped = rec.ring.snapshot()
+    entries, dropped = rec.snapshot()
     n = len(entries)
     strings = _Strings()
     stacks: list[tuple[Frame, ...]] = []
@@ -197,6 +197,8 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         notes.append("no store client: this dump was not coordinated with peers")
     elif rec.store_dead:
         notes.append("store unreachable at dump time: dumped locally only")
+    if rec.cxx is not None:
+        notes.append("recorded on the native path (recorder_path=cxx)")
     notes.extend(rec.config.extra_notes)
     notes.extend(f"not recorded: {why}" for why in rec.unrecorded)
     notes.extend(extra_notes)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from frforensics.failures import is_peer_loss
 from frforensics.model import DeathInfo, DumpReason
-from frforensics.recorder._config import RecorderConfig
+from frforensics.recorder._config import RECORDER_PATHS, RecorderConfig
 from frforensics.recorder._core import Recorder, frames_of_traceback
 
 if TYPE_CHECKING:
@@ -150,6 +150,16 @@ def _config(dump_dir: str | os.PathLike[str], config: RecorderConfig | None,
         if name not in _FIELDS:
             raise TypeError(f"enable() got an unexpected keyword argument {key!r}")
         options[name] = value
+    path = os.environ.get("FRFORENSICS_RECORDER_PATH", "").strip().lower()
+    if "recorder_path" not in options and path:
+        # how ops are recorded is the deployment's choice, not the job's: the
+        # variable switches it without touching the training script (a bad value
+        # is said once and ignored: a variable must not make enable() raise)
+        if path in RECORDER_PATHS:
+            options["recorder_path"] = path
+        else:
+            print(f"frforensics: FRFORENSICS_RECORDER_PATH={path[:40]!r} ignored "
+                  f"(expected one of {', '.join(RECORDER_PATHS)})", file=sys.stderr)
     if "on_verdict_command" in options:
         options["on_verdict_command"] = options["on_verdict_command"] or None
     return RecorderConfig.build(dump_dir, **options)
@@ -178,6 +188,8 @@ def start(config: RecorderConfig) -> Session | None:
         if old is not None and old.rec.active:
             _stop(old)
         rec = Recorder(config)
+        if config.recorder_path == "cxx":
+            rec.cxx = _c10d.native_ring(rec)
         writer = DumpWriter(rec)
         writer.native_source = _c10d.native_dumps
         sess = Session(rec, writer)
@@ -236,6 +248,8 @@ def disable() -> None:
 
 def _stop(sess: Session) -> None:
     sess.rec.active = False
+    if sess.rec.cxx is not None:
+        sess.rec.cxx.set_active(False)
     if sess.verdict is not None:
         sess.verdict.stop()
     if sess.live is not None:
@@ -249,6 +263,9 @@ def _stop(sess: Session) -> None:
         dog.uninstall_signals()
         dog.shutdown(join_timeout_s=2.0)
     sess.rec.pending.clear()
+    if sess.rec.cxx is not None:
+        with contextlib.suppress(Exception):
+            sess.rec.cxx.drop_works()
 
 
 def dump(reason: str = "api", detail: str = "") -> Path | None:

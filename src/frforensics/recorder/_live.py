@@ -168,7 +168,7 @@ class LiveStragglers(threading.Thread):
             s.set(f"live/{me}/groups", json.dumps(
                 [{"name": g.name, "desc": g.desc, "ranks": list(g.ranks)} for g in groups]))
             self.groups_sent = len(groups)
-        entries, _ = rec.ring.snapshot()
+        entries, _ = rec.snapshot()
         offset = time.time_ns() - time.monotonic_ns()
         rows = [e for e in entries if e[R.RECORD_ID] > self.last_record and not e[R.IS_P2P]
                 and e[R.STATE] == R.COMPLETED and e[R.T_COMPLETE]]

@@ -332,6 +332,15 @@ class Watchdog(threading.Thread):
                 continue
             if oldest is None or last[0][R.T_ENQUEUE] < oldest[R.T_ENQUEUE]:
                 oldest = last[0]
+        cxx = rec.cxx
+        if cxx is not None:  # the native ring settles its own ops, without the GIL
+            rid, t_enqueue = cxx.poll()
+            if rid >= 0 and (oldest is None or t_enqueue < oldest[R.T_ENQUEUE]) and (
+                    now - t_enqueue > deadline_ns):
+                found, _ = cxx.snapshot(rid)
+                if found:
+                    entry: Entry = found[0]
+                    return entry
         if oldest is not None and now - oldest[R.T_ENQUEUE] > deadline_ns:
             return oldest
         return None
@@ -352,6 +361,8 @@ class Watchdog(threading.Thread):
                     last[0][R.STATE] = R.FAILED
                     if not last[0][R.T_COMPLETE]:
                         last[0][R.T_COMPLETE] = now
+            if self.rec.cxx is not None:
+                self.rec.cxx.settle_for_dump()
 
     def unfinished(self) -> bool:
         """True while any recorded op is still running."""
@@ -359,7 +370,8 @@ class Watchdog(threading.Thread):
             self._poll_locked()
             return bool(self.tracked) or any(
                 st.last is not None and st.last[0][R.STATE] < R.COMPLETED
-                for st in list(self.rec.groups))
+                for st in list(self.rec.groups)) or (
+                    self.rec.cxx is not None and bool(self.rec.cxx.unfinished()))
 
     def drop_works(self) -> None:
         """Forget every backend Work (they must not outlive interpreter shutdown)."""
@@ -368,6 +380,8 @@ class Watchdog(threading.Thread):
             self.rec.pending.clear()
             for st in list(self.rec.groups):
                 st.last = None
+            if self.rec.cxx is not None:
+                self.rec.cxx.drop_works()
 
     def on_overdue(self, entry: Entry, now: int) -> None:
         rec = self.rec

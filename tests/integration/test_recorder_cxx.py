@@ -1,0 +1,112 @@
+"""The native recording path (``recorder_path="cxx"``, docs/recorder-native.md) records
+what the Python wrapper records: one real job run both ways, the dumps compared field
+by field (timestamps aside); a real hang caught and named on the native path.
+
+The native path is built on first use (about 20 s here); where it cannot be built
+these tests fail (the build's reason in the message), never skip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_recorder_coverage import EVERYTHING
+
+from frforensics.model import DumpReason, OpState
+
+pytestmark = [pytest.mark.slow, pytest.mark.torch215]
+
+NOTE = "recorded on the native path (recorder_path=cxx)"
+TIMES = ("t_enqueue_ns", "t_start_ns", "t_complete_ns", "duration_ns")
+STRINGS = ("op", "in_shapes", "out_shapes", "in_dtypes", "out_dtypes", "reduce_op", "thread",
+           "device", "splits")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built() -> None:
+    from frforensics.recorder import _cxx
+
+    module, why = _cxx.load()
+    assert module is not None, f"the native recording path does not build here: {why}"
+
+
+def _rows(trace: Any) -> list[dict[str, Any]]:
+    """Every entry with its strings and stack resolved (timestamps dropped)."""
+    cols = trace.entries.columns()
+    out = []
+    for i in range(len(trace.entries)):
+        row: dict[str, Any] = {}
+        for name, col in cols.items():
+            if name in TIMES:
+                continue
+            v = int(col[i])
+            if name in STRINGS:
+                row[name] = trace.string(v) if v >= 0 else None
+            elif name == "stack":
+                row[name] = None if v < 0 else [
+                    (Path(f.file).name, f.line, f.name) for f in trace.stack(v)]
+            else:
+                row[name] = v
+        out.append(row)
+    return out
+
+
+def _run(run_job: Any, path: str, ws: int) -> list[Any]:
+    job = run_job(EVERYTHING, world_size=ws, deadline_s=30.0, hard_exit_s=100, name=path,
+                  env={"FRFORENSICS_RECORDER_PATH": path})
+    codes = job.wait(100)
+    assert codes == [0] * ws, job.logs()
+    assert "native recording path is unavailable" not in job.logs()
+    return [job.decode(r) for r in range(ws)]
+
+
+@pytest.mark.timeout(240)
+def test_one_job_gives_the_same_entries_on_both_paths(run_job):
+    ws = 4
+    python = _run(run_job, "python", ws)
+    native = _run(run_job, "cxx", ws)
+    for r in range(ws):
+        a, b = python[r], native[r]
+        assert b.dump_reason is DumpReason.API
+        assert NOTE in b.notes and NOTE not in a.notes
+        assert [(g.name, g.desc, g.ranks, g.backend) for g in a.groups] == [
+            (g.name, g.desc, g.ranks, g.backend) for g in b.groups]
+        ra, rb = _rows(a), _rows(b)
+        assert len(ra) == len(rb), (r, len(ra), len(rb))
+        for k, (x, y) in enumerate(zip(ra, rb, strict=True)):
+            assert x == y, (r, k, {n: (x[n], y[n]) for n in x if x[n] != y[n]})
+        assert all(int(s) == OpState.COMPLETED for s in b.entries.state)
+        # times are real: enqueue before completion, in order of record
+        e = b.entries
+        assert all(int(e.t_complete_ns[i]) >= int(e.t_enqueue_ns[i]) > 0 for i in range(len(e)))
+        assert list(e.t_enqueue_ns) == sorted(e.t_enqueue_ns)
+
+
+HANG = r"""
+t = torch.ones(8)
+for step in range(5):
+    dist.all_reduce(t)
+if rank == 2:
+    time.sleep(60)  # rank 2 never joins the next all_reduce
+dist.all_reduce(t)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_on_the_native_path_is_dumped_by_every_rank_and_named(run_job, fr_analyze):
+    ws = 4
+    job = run_job(HANG, world_size=ws, deadline_s=2.0, hard_exit_s=60,
+                  env={"FRFORENSICS_RECORDER_PATH": "cxx"})
+    job.wait_for_dumps(list(range(ws)), 40)
+    traces = {r: job.decode(r) for r in range(ws)}
+    for r in (0, 1, 3):
+        e = traces[r].entries
+        assert traces[r].dump_reason in (DumpReason.WATCHDOG_TIMEOUT, DumpReason.PEER_SIGNAL), r
+        last = len(e) - 1
+        assert traces[r].string(int(e.op[last])) == "all_reduce"
+        assert int(e.seq[last]) == 6 and int(e.state[last]) != OpState.COMPLETED
+    report = fr_analyze(job.dump_dir)
+    assert report["culprit_ranks"] == [2], report
+    assert all(NOTE in traces[r].notes for r in range(ws))
