@@ -246,6 +246,8 @@ def _memory_child(config: str, ring: int) -> dict[str, Any]:
     out = {"config": config, "rss_before": before, "fill": full - before,
            "steady": steady - before, "ring_python_bytes": traced,
            "recorded": None if rec is None else rec.count, "ring": ring,
+           # the native ring is allocated whole at enable(): its size, not its growth
+           "cxx_ring_bytes": None if rec is None or rec.cxx is None else rec.cxx.bytes(),
            "buffer_size": None if rec is None else rec.config.buffer_size}
     _drop_works()
     dist.destroy_process_group()
@@ -836,10 +838,13 @@ def _report_memory(mem: dict[str, list[Any]]) -> list[str]:
                                      and r["ring_python_bytes"] / 1024)))
     alone = spread(_paired(_values(mem.get("ours", []), lambda r: r["steady"] / 1024),
                            _values(mem.get("ours/ring10", []), lambda r: r["steady"] / 1024)))
+    native = spread(_present(_values(mem.get("cxx", []), lambda r: r["cxx_ring_bytes"] / 1024)))
     lines += ["", f"Ours, the ring alone: resident, steady, minus ours with a 10-entry ring "
               f"(what the rest of the recorder keeps) {cell(alone, 0, True)} KiB; the Python "
               f"objects the fill left (`tracemalloc`, in a child of its own: its tables are "
-              f"resident too) {cell(traced, 0)} KiB.", ""]
+              f"resident too) {cell(traced, 0)} KiB. The native path's ring, allocated whole "
+              f"at `enable()` (so not in its growth above): {cell(native, 0)} KiB "
+              f"(`Ring.bytes()`: its slots, stack arrays and any metadata on the heap).", ""]
     return lines
 
 
@@ -871,9 +876,10 @@ def _report_single(single: dict[str, list[Any]], pinned: bool) -> list[str]:
     lines.append(row("16 floats: of which GC (main thread)", lambda r: r["sizes"]["16"]["gc_us"]))
     lines.append(row("16 floats: main thread's voluntary context switches per op",
                      lambda r: r["sizes"]["16"].get("main_nr_voluntary_switches_per_op")))
-    dog = spread(_present(_values(single.get(configs["ours"], []),
-                                  lambda r: r["sizes"]["16"].get("thread_watchdog_us", 0))))
-    lines += ["", f"Our watchdog thread, 16 floats: {cell(dog, 2)} µs CPU per op.", ""]
+    dogs = {c: spread(_present(_values(single.get(configs[c], []), lambda r: r["sizes"]["16"].get(
+        "thread_watchdog_us", 0)))) for c in ("ours", "cxx")}
+    lines += ["", f"Our watchdog thread, 16 floats, µs CPU per op: {cell(dogs['ours'], 2)} "
+              f"(Python path), {cell(dogs['cxx'], 2)} (native path).", ""]
     return lines
 
 

@@ -152,6 +152,17 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_path_built() -> None:
+    """Under FRT_RECORDER_PATH=cxx the native path must build: a job that fell back
+    to the Python wrapper would pass for the wrong reason."""
+    if os.environ.get("FRT_RECORDER_PATH") == "cxx":
+        from frforensics.recorder import _cxx
+
+        module, why = _cxx.load()
+        assert module is not None, f"FRT_RECORDER_PATH=cxx but the native path does not build: {why}"
+
+
 @pytest.fixture
 def run_job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     """Start jobs; every process is killed when the test ends."""

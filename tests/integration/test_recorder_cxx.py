@@ -110,3 +110,29 @@ def test_a_hang_on_the_native_path_is_dumped_by_every_rank_and_named(run_job, fr
     report = fr_analyze(job.dump_dir)
     assert report["culprit_ranks"] == [2], report
     assert all(NOTE in traces[r].notes for r in range(ws))
+
+
+ALL_REDUCES = r"""
+t = torch.ones(8)
+for step in range(3):
+    dist.all_reduce(t)
+recorder.dump()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_where_it_cannot_be_built_the_python_wrapper_records_said_once(run_job, tmp_path):
+    # a fresh cache and a compiler that always fails: the build fails as on a machine
+    # without one
+    job = run_job(ALL_REDUCES, world_size=2, deadline_s=30.0, hard_exit_s=100,
+                  env={"FRFORENSICS_RECORDER_PATH": "cxx", "CXX": "/bin/false",
+                       "FRFORENSICS_CXX_CACHE": str(tmp_path / "cache")})
+    assert job.wait(100) == [0, 0], job.logs()
+    for r in range(2):
+        log = (job.log_dir / f"rank{r}.log").read_text()
+        assert log.count("the native recording path is unavailable: building it failed") == 1, log
+        trace = job.decode(r)
+        assert NOTE not in trace.notes
+        ops = [trace.string(int(i)) for i in trace.entries.op]
+        assert ops == ["all_reduce"] * 3, ops

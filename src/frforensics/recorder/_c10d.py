@@ -372,6 +372,48 @@ def state_of(pg: Any) -> GroupState | None:
     return state
 
 
+def _native_wrappers(pg: Any) -> list[Any]:
+    """The native recording backends registered on ``pg`` (one per backend object)."""
+    from frforensics.recorder import _cxx
+
+    module, _ = _cxx.load()
+    if module is None:
+        return []
+    found: dict[int, Any] = {}
+    for device in getattr(pg, "_device_types", []):
+        with contextlib.suppress(Exception):
+            backend = pg._get_backend(device)
+            if isinstance(backend, module.RecordingBackend):
+                found[id(backend)] = backend
+    return list(found.values())
+
+
+class _NativeGroups:
+    """``_reconfig.NativeGroups``: a re-formed group on the native path."""
+
+    def state_of(self, group: Any) -> GroupState | None:
+        return state_of(group)
+
+    def counters(self, group: Any) -> tuple[int, int] | None:
+        wrappers = _native_wrappers(group)
+        if not wrappers:
+            return None
+        cgroup = wrappers[0].group()
+        return int(cgroup.seq), int(cgroup.p2p_seq)
+
+    def rebind(self, group: Any, state: GroupState) -> None:
+        rec = _installed.get("recorder")
+        if rec is None or rec.cxx is None:
+            return
+        cgroup = rec.cxx.new_group(state.index, list(state.ranks), int(state.timeout_ms))
+        for wrapper in _native_wrappers(group):
+            wrapper.set_group(cgroup)
+        _native_states[group] = state
+
+
+NATIVE_GROUPS = _NativeGroups()
+
+
 def _native_backends(rec: Recorder, state: GroupState,
                      backends: dict[str, Any]) -> dict[str, Any]:
     """Device -> the native recording wrapper of its backend (one per backend object)."""

@@ -72,8 +72,13 @@ def note_reconfigure(group: Any, *, uuid: int, old_members: Sequence[int],
         if log is None:
             log = _state_reconfig["log"] = Reconfigurations()
             s.writer.note_providers.append(log.notes)
+        native: Any = None
+        if s.rec.cxx is not None:
+            from frforensics.recorder import _c10d
+
+            native = _c10d.NATIVE_GROUPS
         reconfigured(s.rec, group, uuid=uuid, old_members=old_members, members=members,
-                     reason=reason, log=log)
+                     reason=reason, log=log, native=native)
     except Exception as exc:
         s.rec.note_error("note_reconfigure", exc)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from frforensics.recorder._core import GroupState, Recorder
 
@@ -31,15 +31,31 @@ class Reconfigurations:
         return list(self.lines)
 
 
+class NativeGroups(Protocol):
+    """How a group on the native path is read and re-bound (``_c10d``)."""
+
+    def state_of(self, group: Any) -> GroupState | None: ...
+
+    def counters(self, group: Any) -> tuple[int, int] | None: ...
+
+    def rebind(self, group: Any, state: GroupState) -> None: ...
+
+
 def reconfigured(rec: Recorder, group: Any, *, uuid: int, old_members: Sequence[int],
-                 members: Sequence[int], reason: str,
-                 log: Reconfigurations | None) -> GroupState | None:
-    """Give ``group`` (a recording wrapper) its post-reconfigure identity; None if not ours."""
+                 members: Sequence[int], reason: str, log: Reconfigurations | None,
+                 native: NativeGroups | None = None) -> GroupState | None:
+    """Give ``group`` (a recording wrapper, or a group on the native path) its
+    post-reconfigure identity; None if not ours."""
     old: GroupState | None = getattr(group, "_frf_state", None)
-    if old is None:
+    counts = None if old is None else (old.seq, old.p2p_seq)
+    on_native = old is None and native is not None
+    if on_native and native is not None:  # its counters live in the native ring
+        old = native.state_of(group)
+        counts = native.counters(group)
+    if old is None or counts is None:
         return None
     ranks = tuple(int(m) for m in members)
-    if old.seq == 0 and old.p2p_seq == 0:
+    if counts == (0, 0):
         # Nothing recorded yet (the first configuration): same group, real members.
         old.ranks = ranks
         new = old
@@ -48,7 +64,10 @@ def reconfigured(rec: Recorder, group: Any, *, uuid: int, old_members: Sequence[
         new = rec.new_group(name=f"{base}@r{uuid}", desc=old.desc, ranks=ranks,
                             backend=old.backend, timeout_ms=old.timeout_ms)
         new.cuda = old.cuda
-        group._frf_state = new
+        if not on_native:
+            group._frf_state = new
+    if on_native and native is not None:
+        native.rebind(group, new)  # counters from zero, the new members' global ranks
     if log is not None:
         log.lines.append(
             f"reconfigured group {old.name} ({old.desc}) at {time.time_ns()} ns: uuid {uuid}, "

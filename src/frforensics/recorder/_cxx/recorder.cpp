@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
+#include <c10/util/SmallVector.h>
 
 #include <pthread.h>
 #include <pythread.h>
@@ -73,12 +74,13 @@ int64_t mono_ns() {
       .count();
 }
 
-// Shapes and dtypes of an op's tensors; the vectors keep their capacity across
+// Shapes and dtypes of an op's tensors, inline for one tensor of up to 4 dims (the
+// common op); a longer list goes to the heap once and keeps its capacity across
 // reuses of the slot, so a warm ring allocates nothing per op.
 struct Meta {
-  std::vector<int64_t> dims;
-  std::vector<int8_t> ndim;
-  std::vector<int8_t> dtype;
+  c10::SmallVector<int64_t, 4> dims;
+  c10::SmallVector<int8_t, 2> ndim;
+  c10::SmallVector<int8_t, 2> dtype;
   void clear() {
     dims.clear();
     ndim.clear();
@@ -107,14 +109,13 @@ struct Slot {
   uint64_t thread = 0;
   Meta in, out;
   std::vector<int64_t> split_in, split_out;
-  int depth = 0;
-  PyCodeObject* code[kMaxDepth];
-  int32_t lasti[kMaxDepth];
+  int depth = 0;  // frames in the ring's stack arrays at this slot's place
 };
 
 struct Tracked {
   int64_t rid = -1;
   c10::intrusive_ptr<c10d::Work> work;
+  bool has_future = true;  // false: stamped at wait() (RecordedWork), no result to read
 };
 
 // Per-group counters: PyTorch's semantics, as _core.GroupState.
@@ -154,6 +155,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
   Ring(int64_t capacity, int depth, std::vector<std::string> skip_prefixes, int64_t code_limit)
       : slots_(static_cast<size_t>(std::max<int64_t>(1, capacity))),
         depth_(std::max(0, std::min(depth, kMaxDepth))),
+        codes_(slots_.size() * static_cast<size_t>(depth_)),
+        lastis_(slots_.size() * static_cast<size_t>(depth_)),
         prefixes_(std::move(skip_prefixes)),
         code_limit_(code_limit) {}
 
@@ -225,29 +228,21 @@ class Ring : public std::enable_shared_from_this<Ring> {
     return record(g, kCoalesced, is_p2p, -1, -1, -1, [](Slot&) {}, block);
   }
 
-  // _pg._push: ``rid`` becomes the group's newest op; the previous one is stamped
-  // completed if its work says so, and handed to the watchdog either way.
-  void track(Group& g, int64_t rid, const c10::intrusive_ptr<c10d::Work>& work) noexcept {
+  // _pg._push: ``rid`` becomes the group's newest op; the previous one, if its
+  // work says it finished, is settled here (its result read: a few atomics in C++,
+  // where the Python path leaves that to the watchdog) and its work released;
+  // an unfinished one goes to the watchdog.
+  void track(Group& g, int64_t rid, const c10::intrusive_ptr<c10d::Work>& work,
+             bool has_future) noexcept {
     if (rid < 0 || !work) return;
     try {
       std::lock_guard<std::mutex> lk(mu_);
       Tracked prev = std::move(g.last);
-      g.last = Tracked{rid, work};
-      if (prev.rid >= 0) {
-        Slot* s = slot_of(prev.rid);
-        if (s != nullptr && s->state < kCompleted) {
-          bool done = false;
-          try {
-            done = prev.work->isCompleted();
-          } catch (...) {
-          }
-          if (done) {
-            s->t_complete = mono_ns();
-            s->state = kCompleted;
-          }
-        }
-        pending_.push_back(std::move(prev));
-      }
+      g.last = Tracked{rid, work, has_future};
+      Slot* s = slot_of(prev.rid);
+      if (s == nullptr) return;
+      if (s->state >= kCompleted || settle(*s, prev, mono_ns())) return;
+      pending_.push_back(std::move(prev));
     } catch (...) {
       note_error();
     }
@@ -287,21 +282,14 @@ class Ring : public std::enable_shared_from_this<Ring> {
     std::lock_guard<std::mutex> lk(mu_);
     int64_t now = mono_ns();
     while (!pending_.empty()) {
-      Tracked item = std::move(pending_.front());
+      tracked_.push_back(std::move(pending_.front()));
       pending_.pop_front();
-      Slot* s = slot_of(item.rid);
-      if (s == nullptr) continue;  // overwritten: the ring no longer holds it
-      if (s->state == kCompleted) {
-        if (work_failed(item.work)) s->state = kFailed;
-        continue;
-      }
-      if (s->state < kCompleted) tracked_.push_back(std::move(item));
     }
     int64_t oldest = -1, oldest_t = 0;
     std::vector<Tracked> still;
     for (auto& item : tracked_) {
       Slot* s = slot_of(item.rid);
-      if (s == nullptr || s->state >= kCompleted || settle(*s, item.work, now)) continue;
+      if (s == nullptr || s->state >= kCompleted || settle(*s, item, now)) continue;
       if (oldest < 0 || s->t_enqueue < oldest_t) {
         oldest = item.rid;
         oldest_t = s->t_enqueue;
@@ -312,7 +300,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
     for (auto& g : groups_) {
       if (g->last.rid < 0) continue;
       Slot* s = slot_of(g->last.rid);
-      if (s == nullptr || s->state >= kCompleted || settle(*s, g->last.work, now)) continue;
+      if (s == nullptr || s->state >= kCompleted || settle(*s, g->last, now)) continue;
       if (oldest < 0 || s->t_enqueue < oldest_t) {
         oldest = g->last.rid;
         oldest_t = s->t_enqueue;
@@ -329,7 +317,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
     for (auto& g : groups_) {
       if (g->last.rid < 0) continue;
       Slot* s = slot_of(g->last.rid);
-      if (s != nullptr && s->state == kCompleted && work_failed(g->last.work)) {
+      if (s != nullptr && s->state == kCompleted && g->last.has_future &&
+          work_failed(g->last.work)) {
         s->state = kFailed;
         if (s->t_complete == 0) s->t_complete = now;
       }
@@ -361,28 +350,32 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // slots), and how many were overwritten. ``rid >= 0``: that entry only.
   py::tuple snapshot(int64_t only_rid) {
     std::vector<Slot> copy;
+    std::vector<PyCodeObject*> codes;
+    std::vector<int32_t> lastis;
     int64_t dropped = 0;
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lk(mu_);
       int64_t cap = capacity();
       dropped = std::max<int64_t>(0, count_ - cap);
-      if (only_rid >= 0) {
-        Slot* s = slot_of(only_rid);
-        if (s != nullptr) copy.push_back(*s);
-      } else {
-        int64_t first = std::max<int64_t>(0, count_ - cap);
-        copy.reserve(static_cast<size_t>(count_ - first));
-        for (int64_t rid = first; rid < count_; ++rid) {
-          const Slot& s = slots_[static_cast<size_t>(rid % cap)];
-          if (s.rid == rid) copy.push_back(s);
-        }
+      int64_t first = only_rid >= 0 ? only_rid : std::max<int64_t>(0, count_ - cap);
+      int64_t last = only_rid >= 0 ? std::min(only_rid + 1, count_) : count_;
+      for (int64_t rid = first; rid < last; ++rid) {
+        Slot* s = slot_of(rid);
+        if (s == nullptr) continue;
+        copy.push_back(*s);
+        size_t at = static_cast<size_t>(rid % cap) * static_cast<size_t>(depth_);
+        codes.insert(codes.end(), codes_.begin() + static_cast<std::ptrdiff_t>(at),
+                     codes_.begin() + static_cast<std::ptrdiff_t>(at) + s->depth);
+        lastis.insert(lastis.end(), lastis_.begin() + static_cast<std::ptrdiff_t>(at),
+                      lastis_.begin() + static_cast<std::ptrdiff_t>(at) + s->depth);
       }
     }
     py::list out;
     py::object none = py::none();
     py::object red_type = py::module_::import("torch.distributed").attr("ReduceOp").attr(
         "RedOpType");
+    size_t frame = 0;
     for (const Slot& s : copy) {
       py::list e(23);
       e[0] = s.rid;
@@ -407,9 +400,9 @@ class Ring : public std::enable_shared_from_this<Ring> {
       e[19] = none;
       e[20] = -1;
       py::list stack;
-      for (int k = 0; k < s.depth; ++k) {
-        stack.append(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(s.code[k])));
-        stack.append(static_cast<int>(s.lasti[k]));
+      for (int k = 0; k < s.depth; ++k, ++frame) {
+        stack.append(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(codes[frame])));
+        stack.append(static_cast<int>(lastis[frame]));
       }
       e[21] = stack;
       e[22] = none;
@@ -425,10 +418,14 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // What the ring holds in memory: the slots and the metadata vectors they own.
   int64_t bytes() {
     std::lock_guard<std::mutex> lk(mu_);
-    size_t n = slots_.capacity() * sizeof(Slot);
-    for (const Slot& s : slots_) {
-      n += s.in.dims.capacity() * 8 + s.in.ndim.capacity() + s.in.dtype.capacity();
-      n += s.out.dims.capacity() * 8 + s.out.ndim.capacity() + s.out.dtype.capacity();
+    size_t n = slots_.capacity() * sizeof(Slot) + codes_.capacity() * sizeof(PyCodeObject*) +
+               lastis_.capacity() * sizeof(int32_t);
+    for (const Slot& s : slots_) {  // what went to the heap (beyond the inline storage)
+      for (const Meta* m : {&s.in, &s.out}) {
+        if (m->dims.capacity() > 4) n += m->dims.capacity() * 8;
+        if (m->ndim.capacity() > 2) n += m->ndim.capacity();
+        if (m->dtype.capacity() > 2) n += m->dtype.capacity();
+      }
       n += (s.split_in.capacity() + s.split_out.capacity()) * 8;
     }
     return static_cast<int64_t>(n);
@@ -491,9 +488,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
     s.out.clear();
     s.has_splits = 0;
     s.depth = st.depth;
+    size_t at = static_cast<size_t>(rid % capacity()) * static_cast<size_t>(depth_);
     for (int k = 0; k < st.depth; ++k) {
-      s.code[k] = st.code[k];
-      s.lasti[k] = st.lasti[k];
+      codes_[at + static_cast<size_t>(k)] = st.code[k];
+      lastis_[at + static_cast<size_t>(k)] = st.lasti[k];
     }
     return s;
   }
@@ -504,11 +502,11 @@ class Ring : public std::enable_shared_from_this<Ring> {
     return s.rid == rid ? &s : nullptr;
   }
 
-  static bool settle(Slot& s, const c10::intrusive_ptr<c10d::Work>& w, int64_t now) {
+  static bool settle(Slot& s, const Tracked& t, int64_t now) {
     bool done, failed;
     try {
-      done = w->isCompleted();
-      failed = done && work_failed(w);
+      done = t.work->isCompleted();
+      failed = done && t.has_future && work_failed(t.work);
     } catch (...) {
       done = failed = true;
     }
@@ -599,6 +597,11 @@ class Ring : public std::enable_shared_from_this<Ring> {
 
   std::mutex mu_;  // slots, counters, groups, works
   std::vector<Slot> slots_;
+  int depth_;
+  // slot i's stack: codes_[i * depth_ ...], lastis_[i * depth_ ...]; the code
+  // objects are kept alive by verdicts_
+  std::vector<PyCodeObject*> codes_;
+  std::vector<int32_t> lastis_;
   int64_t count_ = 0;
   int64_t blocks_ = 0;
   std::vector<std::shared_ptr<Group>> groups_;
@@ -606,7 +609,6 @@ class Ring : public std::enable_shared_from_this<Ring> {
   std::vector<Tracked> tracked_;
   std::atomic<bool> active_{true};
   std::atomic<int64_t> errors_{0};
-  int depth_;
   std::vector<std::string> prefixes_;
   int64_t code_limit_;
   std::mutex code_mu_;
@@ -699,7 +701,39 @@ class RecordingBackend : public c10d::Backend {
     Backend::setBoundDeviceId(d);
     inner_->setBoundDeviceId(d);
   }
+  void addEphemeralTimeout(const std::chrono::milliseconds& t) override {
+    inner_->addEphemeralTimeout(t);
+  }
+  // Reconfiguration (the loop's spare): the inner backend re-forms; _reconfig gives
+  // the group its new identity through set_group.
+  bool supportsReconfigure() const override { return inner_->supportsReconfigure(); }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override {
+    return inner_->get_reconfigure_handle();
+  }
+  WorkPtr reconfigure(const c10d::ReconfigureOptions& o) override {
+    WorkPtr work = inner_->reconfigure(o);
+    sync_membership();
+    return work;
+  }
 #endif
+
+  // The group's rank and size as the inner backend has them now: ProcessGroup's
+  // getRank()/getSize() read the default backend's (2.15), and Backend's are not
+  // virtual, so a re-formed inner backend's are copied here.
+  void sync_membership() {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15)
+    rank_ = inner_->getRank();  // const before 2.15, where nothing re-forms a backend
+    size_ = inner_->getSize();
+#endif
+  }
+
+  // The group whose counters this backend advances; re-bound after a reconfigure,
+  // while none of the group's ops is in flight (they failed or finished).
+  std::shared_ptr<Group> group() const { return group_; }
+  void set_group(std::shared_ptr<Group> g) {
+    group_ = std::move(g);
+    sync_membership();
+  }
 
   // ---------------------------------------------------------------- collectives
 
@@ -846,7 +880,7 @@ class RecordingBackend : public c10d::Backend {
   WorkPtr done(int64_t rid, WorkPtr work, bool wrap) {
     if (rid < 0 || !work) return work;
     if (wrap) work = c10::make_intrusive<RecordedWork>(std::move(work), ring_, rid);
-    ring_->track(*group_, rid, work);
+    ring_->track(*group_, rid, work, !wrap);
     return work;
   }
 
@@ -879,7 +913,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("codes_known", &Ring::codes_known);
   py::class_<RecordingBackend, c10d::Backend, c10::intrusive_ptr<RecordingBackend>>(
       m, "RecordingBackend")
-      .def("inner", &RecordingBackend::inner);
+      .def("inner", &RecordingBackend::inner)
+      .def("group", &RecordingBackend::group)
+      .def("set_group", &RecordingBackend::set_group);
   m.def("wrap", [](c10::intrusive_ptr<c10d::Backend> inner, std::shared_ptr<Ring> ring,
                    std::shared_ptr<Group> group) {
     return c10::make_intrusive<RecordingBackend>(std::move(inner), std::move(ring),
