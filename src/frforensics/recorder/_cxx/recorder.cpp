@@ -17,7 +17,18 @@
 //
 // Completion: the group's previous op is settled when the next one is issued (as
 // _pg._push); the watchdog's poll() settles the rest from the works, with the GIL
-// released. Locking rule: nothing here waits for the GIL while holding mu_.
+// released. Locking rule: nothing here waits for the GIL while holding mu_, and no
+// Work is released while mu_ is held (a work's last reference frees its tensors,
+// which takes the GIL for a tensor Python also holds); functions that drop works
+// declare the holder before their lock_guard, so it is destroyed after the unlock.
+//
+// Releasing works: the recorder must never leave the *backend's* thread holding a
+// work's last reference. gloo's worker drops its reference after finishing the op,
+// under its queue lock; if that reference is the last, it frees the tensors there and
+// waits for the GIL while holding the lock. Measured on torch 2.15.0: a process
+// whose main thread then destroyed the group (joining gloo's threads with the GIL
+// held) hung for good. So a settled work that someone else still references is
+// deferred (retire) and released once the recorder's reference is the only one.
 #include <torch/extension.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -36,6 +47,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -52,6 +64,7 @@ namespace {
 constexpr int kMaxDepth = 32;  // frames kept per entry (the Python path has no cap)
 constexpr int kMaxWalk = 256;  // frames examined before the walk gives up
 constexpr int8_t kScheduled = 0, kCompleted = 2, kFailed = 3;
+constexpr size_t kMaxDeferred = 4096;  // settled works awaiting release, at most
 
 // Op names as the Python wrapper records them (_pg.py).
 enum Op : int8_t {
@@ -236,13 +249,16 @@ class Ring : public std::enable_shared_from_this<Ring> {
              bool has_future) noexcept {
     if (rid < 0 || !work) return;
     try {
+      Tracked prev;  // released after mu_ (the locking rule at the top)
       std::lock_guard<std::mutex> lk(mu_);
-      Tracked prev = std::move(g.last);
+      prev = std::move(g.last);
       g.last = Tracked{rid, work, has_future};
       Slot* s = slot_of(prev.rid);
-      if (s == nullptr) return;
-      if (s->state >= kCompleted || settle(*s, prev, mono_ns())) return;
-      pending_.push_back(std::move(prev));
+      if (s != nullptr && s->state < kCompleted && !settle(*s, prev, mono_ns())) {
+        pending_.push_back(std::move(prev));
+      } else if (prev.work && !sole(prev)) {
+        retire(std::move(prev));
+      }
     } catch (...) {
       note_error();
     }
@@ -279,17 +295,23 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // _watchdog._poll_locked: settle what can be settled; the oldest unfinished
   // op's (record id, enqueue time), or (-1, 0). Called with the GIL released.
   std::pair<int64_t, int64_t> poll() {
+    std::vector<Tracked> still;  // after the swap below: the settled works, released after mu_
+    std::vector<Tracked> free;   // deferred works now held by the recorder alone
     std::lock_guard<std::mutex> lk(mu_);
     int64_t now = mono_ns();
+    sweep(free, false);
     while (!pending_.empty()) {
       tracked_.push_back(std::move(pending_.front()));
       pending_.pop_front();
     }
     int64_t oldest = -1, oldest_t = 0;
-    std::vector<Tracked> still;
+    still.reserve(tracked_.size());
     for (auto& item : tracked_) {
       Slot* s = slot_of(item.rid);
-      if (s == nullptr || s->state >= kCompleted || settle(*s, item, now)) continue;
+      if (s == nullptr || s->state >= kCompleted || settle(*s, item, now)) {
+        if (!sole(item)) retire(std::move(item));
+        continue;
+      }
       if (oldest < 0 || s->t_enqueue < oldest_t) {
         oldest = item.rid;
         oldest_t = s->t_enqueue;
@@ -337,11 +359,36 @@ class Ring : public std::enable_shared_from_this<Ring> {
     return false;
   }
 
-  void drop_works() {
-    std::lock_guard<std::mutex> lk(mu_);
-    pending_.clear();
-    tracked_.clear();
-    for (auto& g : groups_) g->last = Tracked{};
+  // Every work released (before the interpreter's shutdown). A work another holder
+  // still references is released once the recorder's reference is the last, waiting
+  // up to ``wait_ms`` for the backend's thread to drop its own (called without the GIL).
+  void drop_works(int64_t wait_ms) {
+    {
+      std::deque<Tracked> pending;  // released after mu_
+      std::vector<Tracked> tracked;
+      std::lock_guard<std::mutex> lk(mu_);
+      pending.swap(pending_);
+      tracked.swap(tracked_);
+      for (auto& t : pending) retire(std::move(t));
+      for (auto& t : tracked) retire(std::move(t));
+      for (auto& g : groups_) {
+        retire(std::move(g->last));
+        g->last = Tracked{};  // nothing tracked (a moved-from one keeps its id)
+      }
+    }
+    int64_t deadline = mono_ns() + wait_ms * 1000000;
+    for (;;) {
+      std::vector<Tracked> free;
+      bool left;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        bool last_try = mono_ns() >= deadline;
+        sweep(free, last_try);
+        left = !deferred_.empty();
+      }
+      if (!left) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
   }
 
   // ------------------------------------------------------------ dump time
@@ -432,6 +479,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
   }
 
   int64_t errors() const { return errors_.load(); }
+  int64_t deferred() {
+    std::lock_guard<std::mutex> lk(mu_);
+    return static_cast<int64_t>(deferred_.size());
+  }
   int64_t codes_known() {
     std::lock_guard<std::mutex> lk(code_mu_);
     return static_cast<int64_t>(verdicts_.size());
@@ -460,6 +511,29 @@ class Ring : public std::enable_shared_from_this<Ring> {
       auto& counts = op == kSend ? g.send_count : g.recv_count;
       peer_seq = ++counts[peer];
     }
+  }
+
+  static bool sole(const Tracked& t);  // after RecordedWork
+
+  // Keeps a settled work whose last reference may not be ours (called with mu_ held).
+  void retire(Tracked&& t) {
+    if (t.work) deferred_.push_back(std::move(t));
+  }
+
+  // Moves into ``out`` (released by the caller after mu_) the deferred works now held
+  // by the recorder alone; ``all``: every one. At most kMaxDeferred are kept: past
+  // that the oldest go anyway (a caller that keeps its work handles holds them).
+  void sweep(std::vector<Tracked>& out, bool all) {
+    std::vector<Tracked> keep;
+    size_t over = deferred_.size() > kMaxDeferred ? deferred_.size() - kMaxDeferred : 0;
+    for (size_t i = 0; i < deferred_.size(); ++i) {
+      if (all || i < over || sole(deferred_[i])) {
+        out.push_back(std::move(deferred_[i]));
+      } else {
+        keep.push_back(std::move(deferred_[i]));
+      }
+    }
+    deferred_.swap(keep);
   }
 
   // The next slot, filled with what every entry has (peer, root and reduce op
@@ -503,6 +577,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   }
 
   static bool settle(Slot& s, const Tracked& t, int64_t now) {
+    if (!t.work) return true;  // released: nothing left to learn
     bool done, failed;
     try {
       done = t.work->isCompleted();
@@ -607,6 +682,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   std::vector<std::shared_ptr<Group>> groups_;
   std::deque<Tracked> pending_;
   std::vector<Tracked> tracked_;
+  std::vector<Tracked> deferred_;  // settled, released once ours is the last reference
   std::atomic<bool> active_{true};
   std::atomic<int64_t> errors_{0};
   std::vector<std::string> prefixes_;
@@ -640,12 +716,21 @@ class RecordedWork : public c10d::Work {
   }
   void abort() override { inner_->abort(); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  bool inner_sole() const { return inner_.use_count() <= 1; }
 
  private:
   c10::intrusive_ptr<c10d::Work> inner_;
   std::shared_ptr<Ring> ring_;
   int64_t rid_;
 };
+
+// True when the recorder holds the last reference to the work (and, for a work it
+// wrapped, the wrapper holds the last one to the backend's work).
+bool Ring::sole(const Tracked& t) {
+  if (!t.work) return true;
+  if (t.work.use_count() > 1) return false;
+  return t.has_future || static_cast<const RecordedWork*>(t.work.get())->inner_sole();
+}
 
 int8_t red(const c10d::ReduceOp& op) { return static_cast<int8_t>(op.op_); }
 
@@ -899,14 +984,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("p2p_seq", &Group::p2p_seq);
   py::class_<Ring, std::shared_ptr<Ring>>(m, "Ring")
       .def(py::init<int64_t, int, std::vector<std::string>, int64_t>())
-      .def("new_group", &Ring::new_group)
+      .def("new_group", &Ring::new_group, py::call_guard<py::gil_scoped_release>())
       .def("set_active", &Ring::set_active)
       .def_property_readonly("capacity", &Ring::capacity)
       .def("count", &Ring::count, py::call_guard<py::gil_scoped_release>())
       .def("poll", &Ring::poll, py::call_guard<py::gil_scoped_release>())
       .def("settle_for_dump", &Ring::settle_for_dump, py::call_guard<py::gil_scoped_release>())
       .def("unfinished", &Ring::unfinished, py::call_guard<py::gil_scoped_release>())
-      .def("drop_works", &Ring::drop_works, py::call_guard<py::gil_scoped_release>())
+      .def("drop_works", &Ring::drop_works, py::arg("wait_ms") = 200,
+           py::call_guard<py::gil_scoped_release>())
+      .def("deferred", &Ring::deferred, py::call_guard<py::gil_scoped_release>())
       .def("snapshot", &Ring::snapshot, py::arg("only_rid") = -1)
       .def("errors", &Ring::errors)
       .def("bytes", &Ring::bytes, py::call_guard<py::gil_scoped_release>())
