@@ -136,3 +136,31 @@ def test_where_it_cannot_be_built_the_python_wrapper_records_said_once(run_job, 
         assert NOTE not in trace.notes
         ops = [trace.string(int(i)) for i in trace.entries.op]
         assert ops == ["all_reduce"] * 3, ops
+
+
+OUTLIVED = r"""
+import frforensics.recorder as recorder
+recorder.enable(DUMP_DIR, timeout_s=2.0, store_poll_interval_s=0.2, buffer_size=16,
+                recorder_path="cxx")
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+side = dist.new_group([0, 1])
+dist.all_reduce(torch.ones(4))
+if rank == 0:  # an all_reduce rank 1 never joins, issued from a thread
+    threading.Thread(target=lambda: dist.all_reduce(torch.ones(4)), daemon=True).start()
+    time.sleep(0.3)
+for _ in range(64):  # meanwhile the other group's ops overwrite the 16-entry ring 4 times
+    dist.all_reduce(torch.ones(4), group=side)
+time.sleep(40)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_outlived_by_a_whole_ring_of_newer_ops_still_fires(run_job):
+    job = run_job(OUTLIVED, world_size=2, hard_exit_s=60, enable=False,
+                  env={"FRT_INIT": "0"})
+    job.wait_for_dumps([0, 1], 40)
+    trace = job.decode(0)
+    assert trace.dump_reason is DumpReason.WATCHDOG_TIMEOUT, (trace.dump_reason, job.logs())
+    assert "all_reduce" in trace.dump_detail and "seq 2" in trace.dump_detail, trace.dump_detail
+    e = trace.entries
+    assert len(e) == 16  # the ring itself holds only the newest 16 (all on the side group)

@@ -195,7 +195,8 @@ class Recorder:
             return native, native_dropped
         if not native:
             return entries, dropped
-        merged = sorted(entries + native, key=lambda e: e[R.T_ENQUEUE])
+        # copies: the Python ring's entries are live (the watchdog stamps them)
+        merged = sorted([list(e) for e in entries] + native, key=lambda e: e[R.T_ENQUEUE])
         first = dropped + native_dropped
         for k, e in enumerate(merged):
             e[R.RECORD_ID] = first + k

@@ -36,6 +36,7 @@
 #include <torch/version.h>
 #include <c10/util/SmallVector.h>
 
+#include <cxxabi.h>
 #include <pthread.h>
 #include <pythread.h>
 
@@ -125,6 +126,12 @@ struct Slot {
   int depth = 0;  // frames in the ring's stack arrays at this slot's place
 };
 
+struct Evicted {
+  Slot slot;
+  std::vector<PyCodeObject*> codes;
+  std::vector<int32_t> lastis;
+};
+
 struct Tracked {
   int64_t rid = -1;
   c10::intrusive_ptr<c10d::Work> work;
@@ -145,6 +152,10 @@ struct Group {
                                                            : -1;
   }
 };
+
+// An unfinished op whose slot the ring reused: kept (with its stack) while the
+// watchdog still tracks it, so a hang outlived by 2000 newer ops still fires.
+struct Evicted;
 
 struct Stack {
   int depth = 0;
@@ -204,7 +215,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // already advanced by record_closing).
   template <typename Fill>
   int64_t record(Group& g, Op op, bool is_p2p, int64_t peer, int64_t root, int8_t reduce_op,
-                 Fill&& fill, int64_t closing = -1) noexcept {
+                 Fill&& fill, int64_t closing = -1) {
     if (!active()) return -1;
     try {
       Stack st;
@@ -225,6 +236,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
       s.reduce_op = reduce_op;
       fill(s);
       return s.rid;
+    } catch (abi::__forced_unwind&) {
+      throw;  // a thread ended by the interpreter's shutdown: let it unwind
     } catch (...) {
       note_error();
       return -1;
@@ -233,7 +246,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
 
   // The closing entry of a coalescing block (_pg._frf_record_closing): the
   // counters advance whether or not it is recorded.
-  int64_t record_closing(Group& g, int64_t block, bool is_p2p) noexcept {
+  int64_t record_closing(Group& g, int64_t block, bool is_p2p) {
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (is_p2p) ++g.p2p_seq; else ++g.seq;
@@ -246,7 +259,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   // where the Python path leaves that to the watchdog) and its work released;
   // an unfinished one goes to the watchdog.
   void track(Group& g, int64_t rid, const c10::intrusive_ptr<c10d::Work>& work,
-             bool has_future) noexcept {
+             bool has_future) {
     if (rid < 0 || !work) return;
     try {
       Tracked prev;  // released after mu_ (the locking rule at the top)
@@ -256,9 +269,12 @@ class Ring : public std::enable_shared_from_this<Ring> {
       Slot* s = slot_of(prev.rid);
       if (s != nullptr && s->state < kCompleted && !settle(*s, prev, mono_ns())) {
         pending_.push_back(std::move(prev));
-      } else if (prev.work && !sole(prev)) {
-        retire(std::move(prev));
+      } else {
+        forget(prev.rid);
+        if (prev.work && !sole(prev)) retire(std::move(prev));
       }
+    } catch (abi::__forced_unwind&) {
+      throw;  // a thread ended by the interpreter's shutdown: let it unwind
     } catch (...) {
       note_error();
     }
@@ -276,7 +292,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
   }
 
   void set_splits(int64_t rid, const std::vector<int64_t>& in,
-                  const std::vector<int64_t>& out) noexcept {
+                  const std::vector<int64_t>& out) {
     try {
       std::lock_guard<std::mutex> lk(mu_);
       Slot* s = slot_of(rid);
@@ -285,6 +301,8 @@ class Ring : public std::enable_shared_from_this<Ring> {
         s->split_out.assign(out.begin(), out.end());
         s->has_splits = 1;
       }
+    } catch (abi::__forced_unwind&) {
+      throw;  // a thread ended by the interpreter's shutdown: let it unwind
     } catch (...) {
       note_error();
     }
@@ -309,6 +327,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
     for (auto& item : tracked_) {
       Slot* s = slot_of(item.rid);
       if (s == nullptr || s->state >= kCompleted || settle(*s, item, now)) {
+        forget(item.rid);
         if (!sole(item)) retire(std::move(item));
         continue;
       }
@@ -322,7 +341,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
     for (auto& g : groups_) {
       if (g->last.rid < 0) continue;
       Slot* s = slot_of(g->last.rid);
-      if (s == nullptr || s->state >= kCompleted || settle(*s, g->last, now)) continue;
+      if (s == nullptr || s->state >= kCompleted || settle(*s, g->last, now)) {
+        forget(g->last.rid);
+        continue;
+      }
       if (oldest < 0 || s->t_enqueue < oldest_t) {
         oldest = g->last.rid;
         oldest_t = s->t_enqueue;
@@ -375,6 +397,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
         retire(std::move(g->last));
         g->last = Tracked{};  // nothing tracked (a moved-from one keeps its id)
       }
+      evicted_.clear();
     }
     int64_t deadline = mono_ns() + wait_ms * 1000000;
     for (;;) {
@@ -411,6 +434,13 @@ class Ring : public std::enable_shared_from_this<Ring> {
         Slot* s = slot_of(rid);
         if (s == nullptr) continue;
         copy.push_back(*s);
+        auto ev = s->rid == slots_[static_cast<size_t>(rid % cap)].rid ? evicted_.end()
+                                                                       : evicted_.find(rid);
+        if (ev != evicted_.end()) {  // an unfinished op the ring no longer holds
+          codes.insert(codes.end(), ev->second.codes.begin(), ev->second.codes.end());
+          lastis.insert(lastis.end(), ev->second.lastis.begin(), ev->second.lastis.end());
+          continue;
+        }
         size_t at = static_cast<size_t>(rid % cap) * static_cast<size_t>(depth_);
         codes.insert(codes.end(), codes_.begin() + static_cast<std::ptrdiff_t>(at),
                      codes_.begin() + static_cast<std::ptrdiff_t>(at) + s->depth);
@@ -515,6 +545,22 @@ class Ring : public std::enable_shared_from_this<Ring> {
 
   static bool sole(const Tracked& t);  // after RecordedWork
 
+  // Keeps an unfinished op's slot and stack before the ring reuses them (mu_ held).
+  // Bounded by the ops still unfinished; each is forgotten once settled.
+  void evict(const Slot& s) {
+    if (evicted_.size() >= kMaxDeferred) return;
+    Evicted& e = evicted_[s.rid];
+    e.slot = s;
+    size_t at = static_cast<size_t>(s.rid % capacity()) * static_cast<size_t>(depth_);
+    e.codes.assign(codes_.begin() + static_cast<std::ptrdiff_t>(at),
+                   codes_.begin() + static_cast<std::ptrdiff_t>(at) + s.depth);
+    e.lastis.assign(lastis_.begin() + static_cast<std::ptrdiff_t>(at),
+                    lastis_.begin() + static_cast<std::ptrdiff_t>(at) + s.depth);
+  }
+  void forget(int64_t rid) {
+    if (!evicted_.empty()) evicted_.erase(rid);
+  }
+
   // Keeps a settled work whose last reference may not be ours (called with mu_ held).
   void retire(Tracked&& t) {
     if (t.work) deferred_.push_back(std::move(t));
@@ -542,6 +588,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
               int64_t peer_seq, int64_t block, const Stack& st, int64_t now) {
     int64_t rid = count_++;
     Slot& s = slots_[static_cast<size_t>(rid % capacity())];
+    if (s.rid >= 0 && s.state < kCompleted) evict(s);
     s.rid = rid;
     s.group = g.index;
     s.seq = seq;
@@ -573,7 +620,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
   Slot* slot_of(int64_t rid) {
     if (rid < 0) return nullptr;
     Slot& s = slots_[static_cast<size_t>(rid % capacity())];
-    return s.rid == rid ? &s : nullptr;
+    if (s.rid == rid) return &s;
+    if (evicted_.empty()) return nullptr;
+    auto it = evicted_.find(rid);
+    return it == evicted_.end() ? nullptr : &it->second.slot;
   }
 
   static bool settle(Slot& s, const Tracked& t, int64_t now) {
@@ -638,7 +688,7 @@ class Ring : public std::enable_shared_from_this<Ring> {
           ++st.depth;
         }
       }
-      if (unknown.empty() || attempt > 0) return;
+      if (unknown.empty() || attempt > 0 || codes_full_.load(std::memory_order_relaxed)) return;
       classify(unknown);
     }
   }
@@ -666,6 +716,10 @@ class Ring : public std::enable_shared_from_this<Ring> {
         Py_INCREF(code);  // never freed while its verdict (and slots) may point at it
         verdicts_.emplace(code, keep);
       }
+      // full: stacks stop at the first frame of a code object not seen before, and
+      // no op takes the GIL again (the slots hold plain pointers: the cache cannot be
+      // emptied as the Python path's FrameFilter is)
+      if (static_cast<int64_t>(verdicts_.size()) >= code_limit_) codes_full_.store(true);
     }
     PyGILState_Release(gil);
   }
@@ -683,12 +737,14 @@ class Ring : public std::enable_shared_from_this<Ring> {
   std::deque<Tracked> pending_;
   std::vector<Tracked> tracked_;
   std::vector<Tracked> deferred_;  // settled, released once ours is the last reference
+  std::unordered_map<int64_t, Evicted> evicted_;
   std::atomic<bool> active_{true};
   std::atomic<int64_t> errors_{0};
   std::vector<std::string> prefixes_;
   int64_t code_limit_;
   std::mutex code_mu_;
   std::unordered_map<PyCodeObject*, bool> verdicts_;
+  std::atomic<bool> codes_full_{false};
 };
 
 // A work whose is_completed() stays false until waited on (gloo p2p and
