@@ -55,7 +55,8 @@ def test_bench_recorder_jobs_smoke(tmp_path: Path) -> None:
     out = _run(BENCH / "bench_recorder_jobs.py", "--smoke", "--out", tmp_path / "r.json")
     for row in ("1048576 floats: wall", "DDP step: time (median step)",
                 "TP step: time (median step)", "`noop+ours/gc-off`", "C stack walk alone",
-                "after 2000 ops (the rings full)"):
+                "after 2000 ops (the rings full)", "+ frforensics, native path (added)",
+                "(native path)", "The native path's ring, allocated whole"):
         assert row in out, out[-3000:]
     assert (tmp_path / "r.json").exists() and (tmp_path / "r.md").exists()
 
