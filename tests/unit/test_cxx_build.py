@@ -55,3 +55,11 @@ def test_a_failed_build_is_one_reason(cache, monkeypatch):
     module, why = _cxx._build()
     assert module is None
     assert why == "building it failed (RuntimeError: Error building extension 'x': c++: not found)"
+
+
+def test_a_link_in_place_of_the_build_lock_is_not_followed(cache, monkeypatch, tmp_path):
+    target = tmp_path / "elsewhere"
+    (cache / "frforensics-build.lock").symlink_to(target)
+    monkeypatch.setattr(_cxx, "_compile", lambda where: pytest.fail("built through a link"))
+    module, why = _cxx._build()
+    assert module is None and why.startswith("building it failed (OSError") and not target.exists()

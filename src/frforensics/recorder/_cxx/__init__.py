@@ -110,7 +110,8 @@ def _import(path: Path) -> Any:
 def _exclusive(path: Path, wait_s: float) -> Iterator[bool]:
     """An exclusive ``flock`` on ``path`` (released by the kernel if its holder dies),
     waited for at most ``wait_s``; yields whether it is held."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    # never through a link: a planted one would make us create or lock another file
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
     try:
         deadline = time.monotonic() + wait_s
         while True:
