@@ -144,10 +144,9 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "GLOO_SOCKET_IFNAME": env.get(
                     "GLOO_SOCKET_IFNAME", "lo")})
     # FRT_RECORDER_PATH=cxx runs every job on the recorder's native path
-    # (docs/recorder-native.md: the whole slow lane, one way or the other)
-    path = os.environ.get("FRT_RECORDER_PATH")
-    if path:
-        env["FRFORENSICS_RECORDER_PATH"] = path
+    # (docs/recorder-native.md: the whole slow lane, one way or the other); else the
+    # Python wrapper, never "auto"'s machine-dependent choice (tests/conftest.py)
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ.get("FRT_RECORDER_PATH") or "python"
     env.update(extra)
     return env
 

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def _run(*args: str | Path, timeout: float = 540) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, check=False, env=env, cwd=BENCH.parent)

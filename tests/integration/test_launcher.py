@@ -128,6 +128,7 @@ def _port() -> int:
 def _env(tmp: Path, **extra: str) -> dict[str, str]:
     src = str(Path(frforensics.__file__).resolve().parents[1])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "FRT_"))}
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     # PYTHONFAULTHANDLER: a worker that aborts (SIGABRT at exit, issue 28's clean
     # ends) prints every thread's Python stack into the log the assertions show;
     # the exit status stays the signal's.

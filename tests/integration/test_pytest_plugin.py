@@ -90,6 +90,7 @@ def _run_pytest(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_dist.py").write_text(HANGING_TEST)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("FRFORENSICS_", "PYTEST_", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     env["GITHUB_STEP_SUMMARY"] = str(tmp_path / "step_summary.md")
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
@@ -140,6 +141,7 @@ def test_plugin_is_inert_without_the_flag_or_marker(tmp_path):
     (tmp_path / "test_plain.py").write_text(
         "import os\n\ndef test_plain():\n    assert 'FRFORENSICS_ENABLE' not in os.environ\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("FRFORENSICS_")}
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--rootdir",
          str(tmp_path), "-c", os.devnull, str(tmp_path / "test_plain.py")],

@@ -29,6 +29,7 @@ def free_port() -> int:
 def _run(code: str, *args: str,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "TORCH_"))}
+    full["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     full.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
                  "TORCH_CPP_LOG_LEVEL": "ERROR"})
     full.update(env or {})

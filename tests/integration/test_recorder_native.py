@@ -88,6 +88,7 @@ def _run(mode: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "TORCH_"))}
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(extra or {})})
     proc = subprocess.run([sys.executable, "-c", JOB.replace("PORT", str(port)), mode],
                           capture_output=True, text=True, env=env, timeout=150, check=False)

@@ -138,6 +138,7 @@ recorder.disable()
 def test_enable_takes_a_config_with_overrides_in_a_real_job(tmp_path: Path) -> None:
     out = tmp_path / "dumps"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "TORCH_"))}
+    env["FRFORENSICS_RECORDER_PATH"] = os.environ["FRFORENSICS_RECORDER_PATH"]  # tests/conftest.py
     env.update({"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     proc = subprocess.run([sys.executable, "-c", _JOB, str(out), str(tmp_path / "store")],
                           capture_output=True, text=True, env=env, timeout=100, check=False)

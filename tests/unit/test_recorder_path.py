@@ -11,8 +11,9 @@ from frforensics.recorder._config import RecorderConfig
 from frforensics.recorder._core import Recorder
 
 
-def test_the_setting_takes_python_or_cxx_only(tmp_path):
-    assert RecorderConfig.build(tmp_path).recorder_path == "python"
+def test_the_setting_takes_auto_python_or_cxx_only(tmp_path):
+    assert RecorderConfig.build(tmp_path).recorder_path == "auto"
+    assert RecorderConfig.build(tmp_path, recorder_path="python").recorder_path == "python"
     assert RecorderConfig.build(tmp_path, recorder_path="cxx").recorder_path == "cxx"
     with pytest.raises(ValueError, match="recorder_path"):
         RecorderConfig.build(tmp_path, recorder_path="c++")
@@ -29,7 +30,7 @@ def test_enable_reads_the_variable_unless_told_and_ignores_a_bad_one(tmp_path, m
     # the argument wins over the variable
     assert _enable._config(tmp_path, None, {"recorder_path": "python"}).recorder_path == "python"
     monkeypatch.setenv("FRFORENSICS_RECORDER_PATH", "fortran")
-    assert _enable._config(tmp_path, None, {}).recorder_path == "python"
+    assert _enable._config(tmp_path, None, {}).recorder_path == "auto"
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "FRFORENSICS_RECORDER_PATH='fortran' ignored" in err
 

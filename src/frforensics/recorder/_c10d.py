@@ -349,15 +349,29 @@ _native_states: weakref.WeakKeyDictionary[Any, GroupState] = weakref.WeakKeyDict
 _native_parents: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def native_ring(rec: Recorder) -> Any:
-    """The native ring for ``rec`` (docs/recorder-native.md), or None: then said once."""
+def native_ring(rec: Recorder, build_now: bool = True) -> Any:
+    """The native ring for ``rec`` (docs/recorder-native.md), or None.
+
+    ``build_now`` (``recorder_path="cxx"``): built now if need be, a failure said once.
+    Else (``"auto"``): only a cached build; without one the job records with the
+    Python wrapper, said once by the process that starts the machine's background
+    build, and every dump notes why."""
     from frforensics.recorder import _cxx
     from frforensics.recorder import _ring as R
 
-    module, why = _cxx.load()
+    if build_now:
+        module, why = _cxx.load()
+        if module is None:
+            say(f"the native recording path is unavailable: {why}; recording with the "
+                "Python wrapper")
+    else:
+        module, why, started = _cxx.load_if_built()
+        if started:
+            say(f"the native recording path is not built on this machine yet: building it "
+                f"in the background ({_cxx.LOG} under {_cxx.cache_dir(torch.__version__)}); "
+                "this job records with the Python wrapper, later ones natively")
     if module is None:
-        say(f"the native recording path is unavailable: {why}; recording with the Python "
-            "wrapper")
+        rec.native_why = why
         return None
     return module.Ring(rec.config.buffer_size, rec.stack_depth,
                        list(R.default_skip_prefixes()), 100_000)

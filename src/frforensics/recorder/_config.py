@@ -17,7 +17,7 @@ from typing import Any
 
 DUMP_ON_EXIT_MODES = ("auto", "always", "never")
 VERDICT_SOURCES = ("auto", "dir", "store")
-RECORDER_PATHS = ("python", "cxx")
+RECORDER_PATHS = ("auto", "python", "cxx")
 
 # Every backend name PyTorch 2.13-2.15 registers for GPUs and CPUs (2.15 adds the
 # three NCCL variants; distributed_c10d.py, ``_register_builtin_*_backend``).
@@ -60,10 +60,12 @@ class RecorderConfig:
     hook_timeout_s: float = 30.0
     abort_after_verdict: bool = False
     straggler_interval_s: float | None = None
-    # How each op is recorded: "python" (the wrapper, _pg.py) or "cxx" (the native
-    # backend wrapper, _cxx/recorder.cpp, built on first use; docs/recorder-native.md).
-    # "cxx" falls back to "python", said once, where it cannot be built.
-    recorder_path: str = "python"
+    # How each op is recorded (docs/recorder-native.md): "auto" (the default) the
+    # native backend wrapper (_cxx/recorder.cpp) where it is built on this machine,
+    # else the Python wrapper (_pg.py) while one background build per machine makes it
+    # for the next job; "cxx" the native path, built now if need be (falls back to
+    # "python", said once, where it cannot be built); "python" the wrapper only.
+    recorder_path: str = "auto"
 
     def __post_init__(self) -> None:
         for name in _NUMBERS:
@@ -73,7 +75,7 @@ class RecorderConfig:
         if self.dump_on_exit not in DUMP_ON_EXIT_MODES:
             raise ValueError("dump_on_exit must be 'auto', 'always' or 'never'")
         if self.recorder_path not in RECORDER_PATHS:
-            raise ValueError("recorder_path must be 'python' or 'cxx'")
+            raise ValueError("recorder_path must be 'auto', 'python' or 'cxx'")
         if self.verdict_source not in VERDICT_SOURCES:
             raise ValueError("verdict_source must be 'auto', 'dir' or 'store'")
         if self.on_verdict_command is not None and (

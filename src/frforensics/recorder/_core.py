@@ -129,6 +129,8 @@ class Recorder:
         # The native ring (``_cxx``'s ``Ring``) when the native path records: groups
         # it wraps write there, the rest here; :meth:`snapshot` reads both.
         self.cxx: Any = None
+        # why the native path does not record (recorder_path "auto" or "cxx"), for the dumps
+        self.native_why = ""
         self.groups: list[GroupState] = []
         self._block_counter = 0
         self.store: StoreLike | None = None

@@ -199,6 +199,8 @@ def build_trace(rec: Recorder, reason: DumpReason, detail: str,
         notes.append("store unreachable at dump time: dumped locally only")
     if rec.cxx is not None:
         notes.append("recorded on the native path (recorder_path=cxx)")
+    elif rec.config.recorder_path != "python" and rec.native_why:
+        notes.append(f"recorded with the Python wrapper (native path: {rec.native_why})")
     notes.extend(rec.config.extra_notes)
     notes.extend(f"not recorded: {why}" for why in rec.unrecorded)
     notes.extend(extra_notes)

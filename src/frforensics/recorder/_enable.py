@@ -193,8 +193,8 @@ def start(config: RecorderConfig) -> Session | None:
         if old is not None and old.rec.active:
             _stop(old)
         rec = Recorder(config)
-        if config.recorder_path == "cxx":
-            rec.cxx = _c10d.native_ring(rec)
+        if config.recorder_path != "python":
+            rec.cxx = _c10d.native_ring(rec, build_now=config.recorder_path == "cxx")
         writer = DumpWriter(rec)
         writer.native_source = _c10d.native_dumps
         sess = Session(rec, writer)
