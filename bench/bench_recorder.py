@@ -65,6 +65,7 @@ def _child(mode: str, ops: int) -> dict[str, Any]:
             import frforensics.recorder as recorder
 
             recorder.enable(dump_dir, timeout_s=600, save_native=False,
+                            recorder_path="python",  # this bench's subject: the wrapper
                             poll_interval_s=float(os.environ.get("BENCH_POLL_S", "0.01")))
         from socket import socket
 
@@ -174,7 +175,7 @@ def _inprocess(ops: int, repeats: int, stack_depth: int) -> None:
     from frforensics.recorder import _c10d, _pg
 
     recorder.enable(tempfile.mkdtemp(prefix="frbench_"), timeout_s=600, save_native=False,
-                    stack_depth=stack_depth)
+                    stack_depth=stack_depth, recorder_path="python")
     with socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

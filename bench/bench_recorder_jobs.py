@@ -137,8 +137,9 @@ def _enable_ours(config: str) -> None:
         overrides["poll_interval_s"] = 1.0
     if config.endswith("/ring10"):
         overrides["buffer_size"] = 10
-    if config.startswith("cxx"):  # the native path (docs/recorder-native.md)
-        overrides["recorder_path"] = "cxx"
+    # "ours" is the Python wrapper, "cxx" the native path (docs/recorder-native.md);
+    # never the default's machine-dependent choice
+    overrides["recorder_path"] = "cxx" if config.startswith("cxx") else "python"
     recorder.enable(tempfile.mkdtemp(prefix="frbench_"), timeout_s=600, save_native=False,
                     **overrides)
 
@@ -902,6 +903,7 @@ def _report_job(job: dict[str, list[Any]]) -> list[str]:
                 vals = {c: _values(job.get(c, []), mean_rank(section, key, 1e-3))
                         for c in CONFIGS}
                 lines.append(_row3(f"{name}: {label}, ms/step", vals, 2))
+        lines += _report_step_target(job, mean_rank)
         per = {s: spread(_present(_values(job.get("ours", []), lambda ranks, s=s: statistics.mean(
             r[s]["recorded_per_step"] for r in ranks)))) for s in ("ddp", "tp")}
         lines += ["", f"Ops recorded per step (ours): DDP {cell(per['ddp'], 0)}, "
@@ -913,6 +915,26 @@ def _report_job(job: dict[str, list[Any]]) -> list[str]:
                   "`terminate called without an active exception`): "
                   + ", ".join(f"{LABELS[c]} {a} of {n}" for c, (a, n) in aborts.items()) + ".",
                   ""]
+    return lines
+
+
+def _report_step_target(job: dict[str, list[Any]], mean_rank: Any) -> list[str]:
+    """Issue 31's step target, both recorders compared directly, paired by round:
+    (with ours - with PyTorch's) / with PyTorch's, and in how many rounds it is <= +1 %."""
+    lines = ["", "Step time with ours against with PyTorch's recorder, paired by round "
+             "(issue 31's target: within 1 %), % of PyTorch's: median [min–max], rounds "
+             "within +1 %:", ""]
+    for config in ("ours", "cxx"):
+        for section, name in (("ddp", "DDP"), ("tp", "TP")):
+            for label, key, scale in (("step time", "step_ms_median", 1.0),
+                                      ("process CPU", "proc_cpu_us", 1e-3)):
+                ours = _values(job.get(config, []), mean_rank(section, key, scale))
+                base = _values(job.get("torch_fr", []), mean_rank(section, key, scale))
+                rel = [100.0 * (a - b) / b for a, b in zip(ours, base, strict=False)
+                       if a is not None and b]
+                within = sum(r <= 1.0 for r in rel)
+                lines.append(f"- {LABELS[config]}, {name} {label}: "
+                             f"{cell(spread(rel), 1, True)} % ({within} of {len(rel)})")
     return lines
 
 
