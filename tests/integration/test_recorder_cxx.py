@@ -164,3 +164,36 @@ def test_a_hang_outlived_by_a_whole_ring_of_newer_ops_still_fires(run_job):
     assert "all_reduce" in trace.dump_detail and "seq 2" in trace.dump_detail, trace.dump_detail
     e = trace.entries
     assert len(e) == 16  # the ring itself holds only the newest 16 (all on the side group)
+
+
+SET_TIMEOUT = r"""
+import warnings
+import torch.distributed.distributed_c10d as c10d
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # torch warns where it changes nothing
+    c10d._set_pg_timeout(timedelta(seconds=1))
+t = torch.ones(4)
+dist.all_reduce(t)
+if rank == 0:
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(t)  # rank 1 never joins: gloo gives up after the new 1 s, not 60 s
+    except RuntimeError:
+        print(f"GAVE UP after {time.monotonic() - t0:.1f} s", flush=True)
+    os._exit(0)
+time.sleep(15)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["python", "cxx"])
+def test_a_live_groups_timeout_set_through_torch_takes_on_both_paths(run_job, path):
+    # dist.breakpoint(timeout_s=...) calls c10d._set_pg_timeout on every group; torch
+    # changes only ProcessGroupGloo/NCCL backends, which the native path wraps
+    job = run_job(SET_TIMEOUT, world_size=2, deadline_s=60.0, hard_exit_s=60, name=path,
+                  env={"FRFORENSICS_RECORDER_PATH": path})
+    assert job.wait(60) == [0, 0], job.logs()
+    log = (job.log_dir / "rank0.log").read_text()
+    gave_up = [float(line.split()[3]) for line in log.splitlines() if line.startswith("GAVE UP")]
+    assert gave_up and gave_up[0] < 10.0, log

@@ -30,6 +30,7 @@ import inspect
 import pickle
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -569,6 +570,41 @@ def install(recorder: Recorder) -> None:
         _install_batch()
     if "split" not in _installed and callable(getattr(c10d, "split_group", None)):
         _install_split()
+    if "set_timeout" not in _installed and callable(getattr(c10d, "_set_pg_timeout", None)):
+        _install_set_timeout()
+
+
+def _install_set_timeout() -> None:
+    """torch's ``_set_pg_timeout`` (which ``dist.breakpoint(timeout_s=...)`` calls on
+    every group) changes a live group's timeout only on backends that are
+    ``ProcessGroupGloo``/``ProcessGroupNCCL`` instances (distributed_c10d.py, 2.13.0
+    l. 1641-1661): on a group the native path records, whose registered backends are
+    our wrappers, it would warn and change nothing. There it reaches the wrapped
+    backends' own setter; every other group goes to torch's function as before."""
+    original = c10d._set_pg_timeout
+
+    def _set_pg_timeout(timeout: Any, group: Any = None) -> None:
+        target = c10d._world.default_pg if group is None else group
+        inner: list[Any] = []
+        with contextlib.suppress(TypeError):
+            if target is not None and target in _native_states:
+                inner = [w.inner() for w in _native_wrappers(target)]
+        if not inner:
+            return original(timeout, group)
+        if c10d._rank_not_in_group(target):
+            raise ValueError("Invalid process group specified")
+        setters = [s for s in (getattr(b, "_set_default_timeout", None) for b in inner)
+                   if callable(s)]
+        if not setters:
+            warnings.warn("Set timeout is now only supported for either nccl or gloo.",
+                          stacklevel=2)
+        for setter in setters:
+            setter(timeout)
+        return None
+
+    _set_pg_timeout.__wrapped__ = original  # type: ignore[attr-defined]
+    _installed["set_timeout"] = original
+    c10d._set_pg_timeout = _set_pg_timeout
 
 
 def _install_helper() -> None:
