@@ -590,7 +590,8 @@ def _install_set_timeout() -> None:
             if target is not None and target in _native_states:
                 inner = [w.inner() for w in _native_wrappers(target)]
         if not inner:
-            return original(timeout, group)
+            original(timeout, group)
+            return None
         if c10d._rank_not_in_group(target):
             raise ValueError("Invalid process group specified")
         setters = [s for s in (getattr(b, "_set_default_timeout", None) for b in inner)
