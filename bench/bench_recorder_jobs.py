@@ -103,6 +103,10 @@ ABLATIONS: dict[str, tuple[str, str]] = {
 #: separate-process cost comes from (docs/recorder.md, "Overhead, part by part")
 UNPINNED = ["ours", "ours/no-watchdog", "ours/short-pending", "ours/no-failcheck",
             "ours/slow-poll", "ours/no-stack"]
+#: plain gloo plus one idle Python thread waking every 10 ms (our watchdog's poll
+#: cadence) and recording nothing: what the job part's steps owe to a waking thread
+#: alone on 4 processes sharing 2 CPUs
+TICK = "plain/tick"
 DEPTH = 8  # user frames above each op
 CHUNK = 100  # ops between two calls of the loop's hook
 
@@ -485,6 +489,14 @@ def _rank_child(config: str, spec: dict[str, int]) -> dict[str, Any]:
     clock = GcClock()
     if config in ("ours", "cxx"):
         _enable_ours(config)
+    if config == TICK:
+        import threading
+
+        def tick() -> None:
+            while True:
+                time.sleep(0.01)
+
+        threading.Thread(target=tick, name="tick", daemon=True).start()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rec: Any = None
@@ -657,7 +669,7 @@ def _tasks(parts: list[str]) -> list[tuple[str, str]]:
             tasks += [("single", "plain")]
         tasks += [("unpinned", c) for c in UNPINNED]
     if "job" in parts:
-        tasks += [("job", c) for c in CONFIGS]
+        tasks += [("job", c) for c in [*CONFIGS, TICK]]
     if "memory" in parts:
         tasks += [("memory", c) for c in [*CONFIGS, "ours/ring10", "ours/traced"]]
     return tasks
@@ -935,6 +947,14 @@ def _report_step_target(job: dict[str, list[Any]], mean_rank: Any) -> list[str]:
                 within = sum(r <= 1.0 for r in rel)
                 lines.append(f"- {LABELS[config]}, {name} {label}: "
                              f"{cell(spread(rel), 1, True)} % ({within} of {len(rel)})")
+    for section, name in (("ddp", "DDP"), ("tp", "TP")):
+        tick = _values(job.get(TICK, []), mean_rank(section, "step_ms_median"))
+        plain = _values(job.get("plain", []), mean_rank(section, "step_ms_median"))
+        rel = [100.0 * (a - b) / b for a, b in zip(tick, plain, strict=False)
+               if a is not None and b]
+        if rel:
+            lines.append(f"- plain gloo + an idle thread waking every 10 ms (no recorder), "
+                         f"{name} step time against plain gloo: {cell(spread(rel), 1, True)} %")
     return lines
 
 

@@ -170,8 +170,9 @@ SET_TIMEOUT = r"""
 import warnings
 import torch.distributed.distributed_c10d as c10d
 with warnings.catch_warnings():
-    warnings.simplefilter("error")  # torch warns where it changes nothing
-    c10d._set_pg_timeout(timedelta(seconds=1))
+    warnings.simplefilter("error", UserWarning)  # torch warns where it changes nothing
+    # 2.15: dist.set_timeout (_set_pg_timeout is its deprecated name); 2.13: only this
+    getattr(dist, "set_timeout", c10d._set_pg_timeout)(timedelta(seconds=1))
 t = torch.ones(4)
 dist.all_reduce(t)
 if rank == 0:
@@ -189,8 +190,9 @@ os._exit(0)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("path", ["python", "cxx"])
 def test_a_live_groups_timeout_set_through_torch_takes_on_both_paths(run_job, path):
-    # dist.breakpoint(timeout_s=...) calls c10d._set_pg_timeout on every group; torch
-    # changes only ProcessGroupGloo/NCCL backends, which the native path wraps
+    # dist.breakpoint(timeout_s=...) sets every group's timeout: on 2.13 torch changes
+    # only ProcessGroupGloo/NCCL backends, which the native path wraps; on 2.15 the
+    # group's setTimeout reaches every backend, ours forwarding it
     job = run_job(SET_TIMEOUT, world_size=2, deadline_s=60.0, hard_exit_s=60, name=path,
                   env={"FRFORENSICS_RECORDER_PATH": path})
     assert job.wait(60) == [0, 0], job.logs()

@@ -570,7 +570,8 @@ def install(recorder: Recorder) -> None:
         _install_batch()
     if "split" not in _installed and callable(getattr(c10d, "split_group", None)):
         _install_split()
-    if "set_timeout" not in _installed and callable(getattr(c10d, "_set_pg_timeout", None)):
+    if "set_timeout" not in _installed and callable(getattr(c10d, "_set_pg_timeout", None)) \
+            and not callable(getattr(c10d, "set_timeout", None)):
         _install_set_timeout()
 
 
@@ -580,7 +581,10 @@ def _install_set_timeout() -> None:
     ``ProcessGroupGloo``/``ProcessGroupNCCL`` instances (distributed_c10d.py, 2.13.0
     l. 1641-1661): on a group the native path records, whose registered backends are
     our wrappers, it would warn and change nothing. There it reaches the wrapped
-    backends' own setter; every other group goes to torch's function as before."""
+    backends' own setter; every other group goes to torch's function as before.
+    torch 2.15 has ``set_timeout`` (``_set_pg_timeout`` calls it): the group's C++
+    ``setTimeout`` reaches every backend, which our wrapper forwards to its inner
+    one, so nothing is wrapped there."""
     original = c10d._set_pg_timeout
 
     def _set_pg_timeout(timeout: Any, group: Any = None) -> None:
