@@ -1,9 +1,10 @@
 """The native recording path's build and load (issue 31; docs/recorder-native.md).
 
 ``recorder.cpp`` is compiled against the installed torch with
-``torch.utils.cpp_extension.load`` and cached per torch version, Python version and
-source hash (``~/.cache/frforensics/cxx/...``, or ``$FRFORENSICS_CXX_CACHE``): an
-extension built against one torch's headers is never loaded by another.
+``torch.utils.cpp_extension.load`` and cached per machine architecture, torch
+version, Python version and source hash (``~/.cache/frforensics/cxx/...``, or
+``$FRFORENSICS_CXX_CACHE``): an extension built against one torch's headers is
+never loaded by another.
 
 Two ways to get it:
 
@@ -11,19 +12,23 @@ Two ways to get it:
   and waits (about 20 s on a 2-core machine);
 - :func:`load_if_built` (``recorder_path="auto"``, the default): imports the cached
   build, else returns ``None`` at once -- the job records with the Python wrapper --
-  and starts one background build per machine (``nice`` 19, its own session, its
-  output in ``build.log``) so the next job records natively. A build that failed
-  leaves ``build-failed`` (its reason) and ``auto`` does not try again;
-  ``frforensics-native-build`` (:func:`main`) builds in the foreground whatever an
-  earlier build left, and is what a container image runs once.
+  and starts one background build per machine (``nice`` 19, first in line for the
+  OOM killer, a session of its own, its output in ``build.log``) so the next job
+  records natively. A build started and left without an extension (it failed:
+  ``build-failed`` says why; or it died) is not started again by ``auto`` for
+  :data:`RETRY_S`; ``frforensics-native-build`` (:func:`main`) builds in the
+  foreground whatever an earlier build left, and is what a container image runs
+  once.
 
 Where it cannot be built (no compiler, no ninja, no headers, not CPython 3.11) the
-recorder uses the Python wrapper. A build runs under an ``flock`` of our own (the
-kernel releases it if its holder dies) in a private directory, and only a whole
-extension is moved into place (``os.replace``), so no process ever imports half a
-file; directories a killed build left are removed by the next one. A process that
-waits more than :data:`BUILD_WAIT_S` for another's build records with the Python
-wrapper.
+recorder uses the Python wrapper; nothing here raises into ``enable()``. A build
+runs under an ``flock`` of our own (the kernel releases it if its holder dies) in a
+private directory, and only a whole extension is moved into place
+(``os.replace``), so no process ever imports half a file; directories a killed
+build left are removed by the next one. The cache's files are opened without
+following links and only when they are regular files (a FIFO planted there must
+not block a job's start). A process that waits more than :data:`BUILD_WAIT_S` for
+another's build records with the Python wrapper.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -49,19 +56,25 @@ _state: dict[str, Any] = {}
 
 #: how long a process waits for another one building the extension (then: Python path)
 BUILD_WAIT_S = 300.0
+#: how long ``auto`` leaves a machine alone after a background build left no extension
+RETRY_S = 86400.0
 MODULE = "frforensics_recorder_cxx"
 LOCK = "frforensics-build.lock"
 FAILED = "build-failed"
+ATTEMPT = "build-started"
 LOG = "build.log"
 STAGE_PREFIX = "build-"
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 def cache_dir(torch_version: str) -> Path:
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     base = os.environ.get("FRFORENSICS_CXX_CACHE") or str(
         Path.home() / ".cache" / "frforensics" / "cxx")
-    tag = f"torch-{torch_version}-py{sys.version_info[0]}{sys.version_info[1]}-{digest}"
-    return Path(base) / "".join(c if c.isalnum() or c in "-._" else "_" for c in tag)
+    tag = (f"torch-{torch_version}-py{sys.version_info[0]}{sys.version_info[1]}-"
+           f"{platform.machine() or 'unknown'}-{digest}")
+    return Path(os.path.abspath(base)) / "".join(
+        c if c.isalnum() or c in "-._" else "_" for c in tag)
 
 
 def load() -> tuple[Any, str]:
@@ -76,28 +89,36 @@ def load() -> tuple[Any, str]:
 def load_if_built(start_build: bool = True) -> tuple[Any, str, bool]:
     """``recorder_path="auto"``: ``(module, "", False)`` when a build is cached, else
     ``(None, why, started)`` at once; ``started`` says this process started the
-    machine's background build (``start_build``, local rank 0 only)."""
+    machine's background build (``start_build``, local rank 0 only). Never raises."""
     with _lock:
         if "module" in _state:
             return _state["module"], _state["why"], False
-        where, why = _where()
-        if where is None:
-            return None, why, False
-        built = where / f"{MODULE}.so"
-        if built.exists():
-            try:
-                _state["module"], _state["why"] = _import(built), ""
-            except Exception as exc:
-                _state["module"], _state["why"] = None, _reason("loading it failed", exc)
-            return _state["module"], _state["why"], False
-        failed = _failure(where)
-        if failed:
-            return None, (f"an earlier build failed ({failed}; `frforensics-native-build` "
-                          "tries again)"), False
-        if not start_build or os.environ.get("LOCAL_RANK", "0") != "0":
-            return None, "not built on this machine yet", False
-        started = _start_background_build(where)
-        return None, "not built on this machine yet", started
+        try:
+            return _if_built(start_build)
+        except Exception as exc:  # an unreadable cache: the Python wrapper records
+            return None, _reason("its cache is unusable", exc), False
+
+
+def _if_built(start_build: bool) -> tuple[Any, str, bool]:
+    where, why = _where()
+    if where is None:
+        return None, why, False
+    built = where / f"{MODULE}.so"
+    if _regular(built):
+        try:
+            _state["module"], _state["why"] = _import(built), ""
+        except Exception as exc:
+            _state["module"], _state["why"] = None, _reason(
+                "loading it failed; `frforensics-native-build` builds it again", exc)
+        return _state["module"], _state["why"], False
+    left = _left_behind(where)
+    if left:
+        return None, left, False
+    if not start_build or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None, "not built on this machine yet", False
+    started = _start_background_build(where)
+    return None, "being built on this machine" if started else "not built on this machine yet", \
+        started
 
 
 def _where() -> tuple[Path | None, str]:
@@ -105,9 +126,10 @@ def _where() -> tuple[Path | None, str]:
         return None, f"the native path walks CPython 3.11 frames (this is {sys.version})"
     try:
         import torch
-    except Exception as exc:  # pragma: no cover - torch is there when this runs
-        return None, f"torch unavailable: {exc}"
-    return cache_dir(str(torch.__version__)), ""
+
+        return cache_dir(str(torch.__version__)), ""
+    except Exception as exc:  # no torch, no home directory, an unreadable source
+        return None, _reason("no place to build it", exc)
 
 
 def _reason(what: str, exc: BaseException) -> str:
@@ -115,17 +137,55 @@ def _reason(what: str, exc: BaseException) -> str:
     return f"{what} ({type(exc).__name__}: {first[0][:300] if first else ''})"
 
 
-def _failure(where: Path) -> str:
-    with contextlib.suppress(OSError):
-        with open(where / FAILED, encoding="utf-8", errors="replace") as fh:
-            lines = fh.read(400).strip().splitlines()
-        return lines[0] if lines else "no reason left"
-    return ""
+def _regular(path: Path) -> bool:
+    """A regular file, not through a link (a FIFO or device would block or lie)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
-def _build(wait_s: float | None = None, lock_fd: int = -1) -> tuple[Any, str]:
+def _read_small(path: Path, limit: int = 400) -> str | None:
+    """At most ``limit`` bytes of a regular file, never through a link or blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _SAFE)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _left_behind(where: Path) -> str:
+    """Why ``auto`` starts no build: a recent one left no extension ("" if none did)."""
+    try:
+        age = time.time() - os.lstat(where / ATTEMPT).st_mtime
+    except OSError:
+        return ""
+    if age >= RETRY_S:
+        return ""
+    text = _read_small(where / FAILED)
+    if text is not None:
+        lines = text.strip().splitlines()
+        return (f"an earlier build failed ({lines[0] if lines else 'no reason left'}; "
+                "`frforensics-native-build` tries again)")
+    if _busy(where / LOCK):
+        return "being built on this machine"
+    return (f"a build started {age / 60:.0f} min ago left no extension (see {LOG}; "
+            "`frforensics-native-build` tries again)")
+
+
+def _build(wait_s: float | None = None, lock_fd: int = -1,
+           rebuild: bool = False) -> tuple[Any, str]:
     """Import the cached build, or build it under the build lock (``lock_fd``: held
-    already, handed over by the process that started this background build)."""
+    already, handed over by the process that started this background build).
+    ``rebuild``: a cached extension that does not import is built again. A failure
+    is left in ``build-failed`` under the lock; a success clears it."""
     where, why = _where()
     if where is None:
         return None, why
@@ -133,28 +193,49 @@ def _build(wait_s: float | None = None, lock_fd: int = -1) -> tuple[Any, str]:
     built = where / f"{MODULE}.so"
     try:
         where.mkdir(parents=True, exist_ok=True)
-        if built.exists():  # cached: loaded without a lock or ninja
-            return _import(built), ""
+        cached = _cached(built, rebuild)
+        if cached is not None:  # loaded without a lock or ninja
+            return cached, ""
         with _held(lock_fd) if lock_fd >= 0 else _exclusive(where / LOCK, wait) as mine:
             if not mine:
                 return None, (f"another process has been building it for over {wait:g} s "
                               f"({where})")
-            if built.exists():  # built by the process we waited for
-                return _import(built), ""
-            module = _compile(where)
-            (where / FAILED).unlink(missing_ok=True)
+            cached = _cached(built, rebuild)  # built by the process we waited for
+            if cached is not None:
+                return cached, ""
+            try:
+                module = _compile(where)
+            except BaseException as exc:
+                _mark_failed(where, _reason("building it failed", exc))
+                raise
+            _unlink(where / FAILED)
             return module, ""
     except BaseException as exc:  # a compiler error is SystemExit-free but be thorough
         return None, _reason("building it failed", exc)
 
 
-@contextlib.contextmanager
-def _held(fd: int) -> Iterator[bool]:
+def _cached(built: Path, rebuild: bool) -> Any:
+    if not _regular(built):
+        return None
+    if not rebuild:
+        return _import(built)
     try:
-        yield True
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        return _import(built)
+    except Exception:
+        return None  # a broken or foreign file: built again, replaced whole
+
+
+def _mark_failed(where: Path, why: str) -> None:
+    with contextlib.suppress(OSError):  # whole or not at all, as the extension
+        fd, tmp = tempfile.mkstemp(prefix=f"{FAILED}.", dir=where)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(why[:400] + "\n")
+        os.replace(tmp, where / FAILED)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _compile(where: Path) -> Any:
@@ -165,7 +246,7 @@ def _compile(where: Path) -> Any:
     for old in where.glob(f"{STAGE_PREFIX}*"):
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
-    (where / "lock").unlink(missing_ok=True)  # torch's own lock file, from builds before ours
+    _unlink(where / "lock")  # torch's own lock file, from builds before ours
     # the venv's ninja (pip install ninja) when the shell did not put it on PATH
     bindir = os.path.dirname(sys.executable)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
@@ -191,38 +272,85 @@ def _import(path: Path) -> Any:
     return module
 
 
+def _busy(path: Path) -> bool:
+    """Whether another process holds the build lock (a build is under way)."""
+    try:
+        with _exclusive(path, 0.0) as mine:
+            return not mine
+    except OSError:
+        return False
+
+
+#: what the builder must not inherit: the recorder's switch and torch's backend
+#: autoload (its ``import torch`` would run every ``torch.backends`` entry point,
+#: ours included), the launcher's identity of the rank
+_NOT_INHERITED = ("FRFORENSICS_ENABLE", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                  "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                  "MASTER_PORT")
+
+
+def _builder_env(where: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _NOT_INHERITED and not k.startswith("TORCHELASTIC_")}
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+    env["FRFORENSICS_CXX_CACHE"] = str(where.parent)  # absolute: the builder's cwd differs
+    # the package this process imports, whatever put it on this process's path
+    root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
 def _start_background_build(where: Path) -> bool:
     """One build for the machine, in a process of its own that outlives the job.
 
     The build lock is taken here and handed to the builder (its descriptor, inherited):
     no second job or rank can start another between this check and the builder's
-    start."""
-    if _state.get("started"):
+    start. ``/bin/sh`` starts the builder in the background and exits at once, so
+    the job waits for no child and is left with no zombie."""
+    if _state.get("started") or not sys.executable or not os.path.isfile(sys.executable):
         return False
-    fd = -1
+    fd = log = -1
     try:
         where.mkdir(parents=True, exist_ok=True)
-        fd = os.open(where / LOCK, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+        fd = os.open(where / LOCK, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False  # a build is under way
-        # the recorder's own switch stays off in the builder (its torch import would
-        # otherwise turn it on: recorder/autoload.py)
-        env = {k: v for k, v in os.environ.items() if k != "FRFORENSICS_ENABLE"}
-        with open(where / LOG, "ab") as log:
-            subprocess.Popen(
-                [sys.executable, "-m", "frforensics.recorder._cxx", "--background",
-                 "--lock-fd", str(fd)],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, pass_fds=(fd,), cwd=str(where), env=env)
-        _state["started"] = True
+        log = os.open(where / LOG, os.O_CREAT | os.O_WRONLY | os.O_APPEND | _SAFE, 0o644)
+        if not stat.S_ISREG(os.fstat(log).st_mode):
+            return False
+        with open(where / ATTEMPT, "w", opener=_no_follow_opener) as stamp:
+            stamp.write(f"{time.time():.0f}\n")
+        shell = subprocess.Popen(
+            ["/bin/sh", "-c", '"$0" -m frforensics.recorder._cxx --background --lock-fd '
+             f'{fd} </dev/null >&{log} 2>&1 &', sys.executable],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, pass_fds=(fd, log), cwd=str(where),
+            env=_builder_env(where))
+        shell.wait(timeout=10)
+        _state["started"] = shell.returncode == 0
     except Exception:  # never the job's problem: this job records with the Python wrapper
         return False
     finally:
-        if fd >= 0:
-            os.close(fd)  # the builder's copy keeps the lock until it exits
-    return True
+        for f in (fd, log):
+            if f >= 0:
+                os.close(f)  # the builder's copy keeps the lock until it exits
+    return bool(_state["started"])
+
+
+def _no_follow_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+
+
+@contextlib.contextmanager
+def _held(fd: int) -> Iterator[bool]:
+    try:
+        yield True
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 @contextlib.contextmanager
@@ -230,7 +358,7 @@ def _exclusive(path: Path, wait_s: float) -> Iterator[bool]:
     """An exclusive ``flock`` on ``path`` (released by the kernel if its holder dies),
     waited for at most ``wait_s``; yields whether it is held."""
     # never through a link: a planted one would make us create or lock another file
-    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         deadline = time.monotonic() + wait_s
         while True:
@@ -252,10 +380,11 @@ def _exclusive(path: Path, wait_s: float) -> Iterator[bool]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``frforensics-native-build``: build the native path for the installed torch now
-    (a container image's build step, or after ``build-failed``); prints where, or why not.
+    (a container image's build step, or after a failed build); prints where, or why
+    not. A cached extension that does not import is built again.
 
-    ``--background`` is the build ``recorder_path="auto"`` starts: lowest priority, no
-    waiting for another build, a failure left in ``build-failed`` for later jobs."""
+    ``--background`` is the build ``recorder_path="auto"`` starts: lowest priority,
+    first in line for the OOM killer, no waiting for another build."""
     args = list(sys.argv[1:] if argv is None else argv)
     background = "--background" in args
     lock_fd = -1
@@ -265,18 +394,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if background:
         with contextlib.suppress(OSError):
             os.nice(19)
-    where, why = _where()
-    if where is not None:
-        if not background:
-            (where / FAILED).unlink(missing_ok=True)
-        module, why = _build(wait_s=0.0 if background else None, lock_fd=lock_fd)
-        if module is not None:
-            print(f"frforensics: native recording path built: {where / (MODULE + '.so')}")
-            return 0
-        if background and not why.startswith("another process"):
-            with contextlib.suppress(OSError):  # whole or not at all, as the extension
-                (where / f"{FAILED}.tmp").write_text(why + "\n", encoding="utf-8")
-                os.replace(where / f"{FAILED}.tmp", where / FAILED)
+        # the builder, not the training job, is what a memory limit should kill
+        with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")
+    module, why = _build(wait_s=0.0 if background else None, lock_fd=lock_fd,
+                         rebuild=not background)
+    if module is not None:
+        where, _ = _where()
+        print(f"frforensics: native recording path built: {where}/{MODULE}.so")
+        return 0
     print(f"frforensics: the native recording path cannot be built here: {why}",
           file=sys.stderr)
     return 1
