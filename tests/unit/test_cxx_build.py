@@ -203,7 +203,7 @@ def test_a_fifo_planted_in_the_cache_never_blocks_a_jobs_start(cache, monkeypatc
     (cache / _cxx.ATTEMPT).write_text("")
     monkeypatch.setattr(_cxx, "RETRY_S", 0.0 if name == _cxx.LOG else 86400.0)
     monkeypatch.setattr(_cxx.subprocess, "Popen", lambda *a, **k: pytest.fail("spawned"))
-    module, why, started = _cxx.load_if_built()
+    module, _why, started = _cxx.load_if_built()
     assert module is None and not started
 
 
