@@ -37,7 +37,15 @@ from frforensics.analyzer.detectors.timeout import _late_entries, _late_finding
 from frforensics.analyzer.digest import RankDigest, digest
 from frforensics.analyzer.load import _share_groups, load_dumps
 from frforensics.analyzer.merge import JobModel, build_job, collective_rows
-from frforensics.analyzer.signatures import Mismatch, _bad, _render, find_mismatches, units
+from frforensics.analyzer.signatures import (
+    Mismatch,
+    _bad,
+    _maybe_cut,
+    _render,
+    _uncut,
+    find_mismatches,
+    units,
+)
 from frforensics.analyzer.waits import build_wait_graph
 from frforensics.formats import decode_dump
 from frforensics.report import Finding
@@ -436,3 +444,53 @@ def test_collective_rows_are_dropped_after_their_last_reader() -> None:
     assert "collective_rows" in inspect.getsource(timeout)
     for detector in DETECTORS[_analyze._LAST_ROWS_READER + 1:]:
         assert "collective_rows" not in inspect.getsource(inspect.getmodule(detector)), detector
+
+
+def _uncut_by_rank(job: JobModel, c: merge.CollectiveRows) -> np.ndarray:
+    """``signatures._uncut``'s rank-by-rank form, kept as its oracle: every rank whose
+    ring evicted entries, every group it is on, ``_maybe_cut`` on its oldest seq."""
+    keep = np.ones(len(c.seq), dtype=np.bool_)
+    base = 0
+    for i, rank in enumerate(c.ranks):
+        d = job.digests[rank]
+        lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
+        start, base = base, base + len(d)
+        if d.whole_oldest or not job.window_evicted(rank) or lo == hi:
+            continue
+        gids = c.gid[lo:hi]
+        for gid in sorted({g for g in (job.group_of.get((rank, local), -1)
+                                       for local in range(len(d.groups))) if g >= 0}):
+            on = gids == gid
+            if not on.any():
+                continue
+            rows = c.take[lo:hi][on].astype(np.intp) - start
+            min_seq = int(c.seq[lo:hi][on].min())
+            if _maybe_cut(job, rank, rows, min_seq):
+                keep[lo:hi] &= ~(on & (c.seq[lo:hi] == min_seq))
+    return keep
+
+
+@pytest.mark.parametrize("mode", ["nccl", "gloo"])
+def test_the_ring_cut_check_in_one_pass_agrees_with_the_rank_by_rank_form(mode: str) -> None:
+    cut = evicted = 0
+    rng = random.Random(f"uncut:{mode}")
+    for seed in range(14):
+        digests = _digests(mode, seed)
+        for variant in (digests, _permuted(digests, rng)):
+            job = _context(variant).job
+            c = collective_rows(job)
+            fast, slow = _uncut(job, c), _uncut_by_rank(job, c)
+            assert np.array_equal(np.ones(len(c.seq), dtype=np.bool_) if fast is None else fast,
+                                  slow), seed
+            cut += int((~slow).sum())
+            evicted += any(job.window_evicted(r) and not d.whole_oldest
+                           for r, d in variant.items())
+    for case in ("timeout", "small_ring", "op_mismatch", "size_mismatch"):
+        job = _context(load_dumps([DATA / case / "pickle"], jobs=1).digests).job
+        c = collective_rows(job)
+        fast = _uncut(job, c)
+        assert np.array_equal(np.ones(len(c.seq), dtype=np.bool_) if fast is None else fast,
+                              _uncut_by_rank(job, c)), case
+    # not vacuously equal: rings that evicted entries, and (NCCL's coalesced blocks:
+    # gloo's dumps hold no closing entries to cut) oldest seqs left out
+    assert evicted and (cut or mode == "gloo"), (evicted, cut)

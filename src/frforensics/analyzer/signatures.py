@@ -22,7 +22,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from frforensics.analyzer.digest import CLOSING_OPS, DTYPE_UNCHECKED
+from frforensics.analyzer.digest import _CLOSING_HASHES, CLOSING_OPS, DTYPE_UNCHECKED
 from frforensics.analyzer.merge import CollectiveRows, JobModel, collective_rows
 
 Field = Literal["op", "dtype", "size", "splits"]
@@ -158,13 +158,13 @@ def find_mismatches(job: JobModel) -> tuple[Mismatch, ...]:
     order whatever order the group lists its members in; the tests hold the
     group-by-group form as their oracle)."""
     c = collective_rows(job)
-    keep = _uncut(job, c)
-    keep = _in_program_order(job, c, keep)
-    if len(c.seq) == 0:
-        return ()
     # whole groups at a time: the per-row temporaries of one slice, not of every
     # row (at 16,384 ranks they were 3.1 GB at once)
     columns = tuple(c.getter(name) for name in ("op_hash", "dtype_hash", "size"))
+    keep = _uncut(job, c, columns[0])
+    keep = _in_program_order(job, c, keep)
+    if len(c.seq) == 0:
+        return ()
     found: list[Mismatch] = []
     for order in c.ordered(keep):
         found += _slice_mismatches(job, c, order, columns)
@@ -194,33 +194,54 @@ def _slice_mismatches(job: JobModel, c: CollectiveRows, order: npt.NDArray[Any],
     return _compare_units(job, c.ranks, seq, gid, at, op, dtype, size)
 
 
-def _uncut(job: JobModel, c: CollectiveRows) -> npt.NDArray[np.bool_] | None:
+def _uncut(job: JobModel, c: CollectiveRows,
+           op_hash: Callable[[npt.NDArray[Any]], npt.NDArray[Any]] | None = None,
+           ) -> npt.NDArray[np.bool_] | None:
     """Rows ``units`` compares (None: all): the oldest seq of a rank's window on a
     group is left out where the ring's eviction may have cut it (``_maybe_cut``).
-    A rank's rows on a group are taken from ``c`` (what ``job.view`` holds, without
-    caching a view per (rank, group): 262 MB at 16,384 ranks)."""
-    keep: npt.NDArray[np.bool_] | None = None
+
+    One numpy pass over the rows of every rank whose ring evicted entries: each
+    (rank, group)'s oldest seq and whether the group's seqs rise in record order
+    (then one row holds the oldest). The usual case -- one row, not a closing entry, seqs
+    rising -- is whole, as ``_maybe_cut`` would find; only the others go
+    through it (a Python call per (rank, group) was
+    ~2 s of the central step at 100,000 ranks). The tests hold the rank-by-rank
+    form as the oracle. ``op_hash``: the pass's getter of that column, if it has one
+    (its concatenation is not made twice)."""
+    n = len(c.ranks)
+    cut_able = np.zeros(n, dtype=np.bool_)
+    start = np.zeros(n, dtype=np.int64)
     base = 0
     for i, rank in enumerate(c.ranks):
         d = job.digests[rank]
-        lo, hi = int(c.offsets[i]), int(c.offsets[i + 1])
-        start, base = base, base + len(d)
-        if d.whole_oldest or not job.window_evicted(rank) or lo == hi:
-            continue
-        gids = c.gid[lo:hi]
-        # the rank's groups (a superset of those its rows in ``c`` are on), not
-        # np.unique over its rows
-        for gid in sorted({g for g in (job.group_of.get((rank, local), -1)
-                                       for local in range(len(d.groups))) if g >= 0}):
-            on = gids == gid
-            if not on.any():
-                continue
-            rows = c.take[lo:hi][on].astype(np.intp) - start
-            min_seq = int(c.seq[lo:hi][on].min())
-            if _maybe_cut(job, rank, rows, min_seq):
-                if keep is None:
-                    keep = np.ones(len(c.seq), dtype=np.bool_)
-                keep[lo:hi] &= ~(on & (c.seq[lo:hi] == min_seq))
+        start[i], base = base, base + len(d)
+        cut_able[i] = not d.whole_oldest and job.window_evicted(rank)
+    rows = np.flatnonzero(cut_able[c.at]) if n else np.zeros(0, dtype=np.intp)
+    if len(rows) == 0:
+        return None
+    # each (rank, group)'s rows together, in record order (a stable sort)
+    rows = rows[np.lexsort((c.gid[rows], c.at[rows]))]
+    at, gid, seq = c.at[rows], c.gid[rows], c.seq[rows].astype(np.int64)
+    new = np.r_[True, (at[1:] != at[:-1]) | (gid[1:] != gid[:-1])]
+    first = np.flatnonzero(new)
+    seg = np.cumsum(new) - 1
+    oldest = np.minimum.reduceat(seq, first)
+    at_oldest = seq == oldest[seg]
+    rising = np.logical_and.reduceat(np.r_[True, new[1:] | (seq[1:] > seq[:-1])], first)
+    where = np.flatnonzero(at_oldest)
+    pick = np.empty(len(first), dtype=np.intp)
+    pick[seg[where][::-1]] = where[::-1]  # each segment's first row at its oldest seq
+    closing = np.isin((op_hash or c.getter("op_hash"))(rows[pick]), _CLOSING_HASHES)
+    whole = ~closing & rising  # seqs rising: the oldest is held by one row
+    keep: npt.NDArray[np.bool_] | None = None
+    ends = np.r_[first[1:], len(rows)]
+    for k in np.flatnonzero(~whole):
+        i = int(at[first[k]])
+        mine = rows[first[k]:ends[k]]
+        if _maybe_cut(job, c.ranks[i], c.take[mine].astype(np.intp) - start[i], int(oldest[k])):
+            if keep is None:
+                keep = np.ones(len(c.seq), dtype=np.bool_)
+            keep[mine[at_oldest[first[k]:ends[k]]]] = False
     return keep
 
 
