@@ -26,6 +26,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: a recorded group's type: the Python wrapper's subclass, or on the native path
+#: (FRT_RECORDER_PATH=cxx, tests/conftest.py) a plain ProcessGroup over recording backends
+_WORLD_TYPE = ("ProcessGroup" if os.environ["FRFORENSICS_RECORDER_PATH"] == "cxx"
+               else "RecordingProcessGroup")
+
+
 def _run(code: str, *args: str,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith(("FRFORENSICS_", "TORCH_"))}
@@ -79,10 +85,11 @@ d = tempfile.mkdtemp()
 fr.enable(d, backends=("gloo", name))
 dist.init_process_group(name, init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
 pg = dist.group.WORLD
-inner = pg._get_backend(torch.device("cpu"))
+unwrap = lambda b: b.inner() if hasattr(b, "inner") else b  # the native path's wrapper
+inner = unwrap(pg._get_backend(torch.device("cpu")))
 t = torch.ones(4); dist.all_reduce(t)
 sub = dist.new_group([0], backend="gloo")
-sub_inner = sub._get_backend(torch.device("cpu"))
+sub_inner = unwrap(sub._get_backend(torch.device("cpu")))
 dist.all_reduce(t, group=sub)
 trace = decode_dump(open(fr.dump(), "rb").read(), source="x")
 out = {
@@ -106,7 +113,7 @@ dist.destroy_process_group()
 def test_inner_backend_is_what_the_registered_creator_returns(line):
     res = _result(_run(LOOKALIKE.replace("PORT", str(free_port()))))
     assert res["registry"] == NEW_C10D_API.get(line, res["registry"]), line
-    assert res["wrapped"] == "RecordingProcessGroup"
+    assert res["wrapped"] == _WORLD_TYPE
     assert res["inner_is_lookalike"] is True
     assert res["ops"] == 2 and res["result"] == [1.0] * 4
     if res["registry"]:  # 2.15: "gloo" is the look-alike for the subgroup too
@@ -225,7 +232,7 @@ def test_a_failing_creator_leaves_that_group_to_torch_unrecorded():
     proc = _run(CREATOR_FAILS.replace("PORT", str(free_port())))
     res = _result(proc)
     assert res["enabled"] is True
-    assert res["world"] == "RecordingProcessGroup" and res["sub"] == "ProcessGroup"
+    assert res["world"] == _WORLD_TYPE and res["sub"] == "ProcessGroup"
     assert res["result"] == [1.0] * 4
     assert res["recorded_ops"] == 1 and res["groups"] == 1
     assert len(res["notes"]) == 1 and "simulated creator failure" in res["notes"][0]
