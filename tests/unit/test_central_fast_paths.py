@@ -46,6 +46,7 @@ from frforensics.analyzer.signatures import (
     find_mismatches,
     units,
 )
+from frforensics.analyzer.slots import GroupSlots
 from frforensics.analyzer.waits import build_wait_graph
 from frforensics.formats import decode_dump
 from frforensics.report import Finding
@@ -494,3 +495,73 @@ def test_the_ring_cut_check_in_one_pass_agrees_with_the_rank_by_rank_form(mode: 
     # not vacuously equal: rings that evicted entries, and (NCCL's coalesced blocks:
     # gloo's dumps hold no closing entries to cut) oldest seqs left out
     assert evicted and (cut or mode == "gloo"), (evicted, cut)
+
+
+def _slots_reference(job: JobModel) -> tuple[list[int], list[int], list[int]]:
+    """gid, member index and canonical local index per slot, as the loops had them."""
+    gids: list[int] = []
+    members: list[int] = []
+    canons: list[int] = []
+    index = [g.ranks if isinstance(g.ranks, range) else {r: i for i, r in enumerate(g.ranks)}
+             for g in job.groups]
+    for rank in sorted(job.digests):
+        lut = [job.group_of.get((rank, i), -1) for i in range(len(job.digests[rank].groups))]
+        for g in lut:
+            m = index[g] if g >= 0 else None
+            if isinstance(m, range):
+                members.append(m.index(rank) if rank in m else -1)
+            else:
+                members.append(-1 if m is None else m.get(rank, -1))
+        gids.extend([*lut, -1])
+        members.append(-1)
+        canons.extend([lut.index(g) for g in lut] + [len(lut)])
+    return gids, members, canons
+
+
+def _check_slots(slots: GroupSlots, job: JobModel) -> None:
+    gids, members, canons = _slots_reference(job)
+    assert slots.ranks == sorted(job.digests)
+    assert slots.gid.tolist() == gids
+    assert slots.member.tolist() == members
+    got = slots.canon.tolist()
+    # a slot with no group is never read for its canonical number
+    assert [c for c, g in zip(got, gids, strict=True) if g >= 0] == \
+        [c for c, g in zip(canons, gids, strict=True) if g >= 0]
+
+
+@pytest.mark.parametrize("mode", ["nccl", "gloo"])
+def test_slots_agree_with_the_dict_form_on_generated_jobs(mode: str) -> None:
+    rng = random.Random(f"slots:{mode}")
+    for seed in range(10):
+        digests = _digests(mode, seed)
+        for variant in (digests, _permuted(digests, rng)):
+            job = build_job(variant)
+            _check_slots(job.group_slots(), job)
+
+
+def test_slots_agree_on_recorded_dumps() -> None:
+    for case in ("timeout", "small_ring", "op_mismatch", "size_mismatch"):
+        job = build_job(load_dumps([DATA / case / "pickle"], jobs=1).digests)
+        _check_slots(job.group_slots(), job)
+
+
+@pytest.mark.parametrize("mode", ["nccl", "gloo"])
+def test_ranks_with_other_agrees_with_a_check_per_rank(mode: str) -> None:
+    """``digest.ranks_with_other`` (the wait graph's pending ranks, the incomplete-dump
+    rule): one-value columns (``compact``) and empty ones included, in any mix."""
+    from frforensics.analyzer.digest import compact, ranks_with_other
+    from frforensics.model import OpState
+
+    rng = random.Random(f"other:{mode}")
+    seen = set()
+    for seed in range(6):
+        ds = list(_digests(mode, seed).values())
+        ds = [rng.choice([d, compact(d), replace(d, state=d.state[:0], timeout_ms=d.timeout_ms[:0],
+                                                 t_enqueue_ns=d.t_enqueue_ns[:0])])
+              for d in ds]
+        for name, value in (("state", OpState.COMPLETED), ("timeout_ms", 0), ("t_enqueue_ns", 0)):
+            want = [bool((getattr(d, name) != value).any()) for d in ds]
+            assert ranks_with_other(ds, name, value).tolist() == want, (seed, name)
+            seen.update(want)
+    assert seen == {True, False}
+    assert ranks_with_other([], "state").tolist() == []

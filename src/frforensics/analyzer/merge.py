@@ -43,8 +43,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from frforensics.analyzer.digest import RankDigest, str_hash
+from frforensics.analyzer.digest import RankDigest, ranks_with_other, str_hash
 from frforensics.analyzer.frontiers import mark_frontiers
+from frforensics.analyzer.slots import GroupSlots, build_slots
 from frforensics.model import GroupInfo, OpState
 from frforensics.rankset import LISTED_RANKS_FLOOR, RankSet, listable
 from frforensics.report import GroupRef, format_ranks
@@ -127,11 +128,20 @@ class JobModel:
     _split: dict[int, tuple[list[int], RankSet]] = field(default_factory=dict)
     _ascending: bool | None = None
     _coll: CollectiveRows | None = None
+    _slots: GroupSlots | None = None
 
     def reset_caches(self) -> None:
         """Forget what was computed from the digests (after a pass replaced some)."""
         self._blocked.clear()
         self._coll = None
+        self._slots = None
+
+    def group_slots(self) -> GroupSlots:
+        """``group_of`` as arrays, with each rank's member index (``analyzer.slots``),
+        computed once."""
+        if self._slots is None:
+            self._slots = build_slots(self.digests, self.groups)
+        return self._slots
 
     def members_ascending(self) -> bool:
         """True when every group's members are listed in strictly ascending rank
@@ -310,6 +320,13 @@ class JobModel:
             break
         self._blocked[rank] = found
         return found
+
+    def ranks_pending(self) -> list[int]:
+        """The dumped ranks with an unfinished op (ascending): the only ones
+        ``blocked_row`` can find blocked (one pass over every rank's states)."""
+        ranks = sorted(self.digests)
+        undone = ranks_with_other([self.digests[r] for r in ranks], "state", OpState.COMPLETED)
+        return [ranks[i] for i in np.flatnonzero(undone).tolist()]
 
     def _completed_elsewhere(self, rank: int, row: int) -> bool:
         d = self.digests[rank]
@@ -554,6 +571,11 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
     # group's members for every rank is O(world^2); equal groups arrive as one
     # object (the loader, wire.WireCache)
     seen: dict[int, tuple[GroupInfo, Group]] = {}
+    # then by the members' identity: each batch of digests has its own GroupInfo
+    # objects, but a long membership arrives as this process's one tuple
+    # (``model.progression_members``), whose hash would cost its length per batch
+    # (the 100,000-rank default group in 1,563 batches: ~0.8 s)
+    same_members: dict[tuple[str, int], tuple[tuple[int, ...], Group]] = {}
     unknown: dict[str, list[tuple[int, int, GroupInfo]]] = defaultdict(list)
     for rank, d in sorted(digests.items()):
         for local, info in enumerate(d.groups):
@@ -562,11 +584,7 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
                 if hit is not None:
                     group = hit[1]
                 else:
-                    key = (info.name, info.ranks)
-                    found = known.get(key)
-                    if found is None:
-                        found = known[key] = Group(-1, info.name, info.desc, info.ranks, True)
-                    group = found
+                    group = _known_group(known, same_members, info)
                     seen[id(info)] = (info, group)
                 group.local[rank] = local
                 if not group.desc and info.desc:
@@ -652,6 +670,25 @@ def build_job(digests: dict[int, RankDigest], *, world_size: int | None = None) 
     return job
 
 
+def _known_group(known: dict[tuple[str, tuple[int, ...]], Group],
+                 same_members: dict[tuple[str, int], tuple[tuple[int, ...], Group]],
+                 info: GroupInfo) -> Group:
+    """The group ``info`` names (a new one the first time), found by its members'
+    identity before their value."""
+    ranks = info.ranks
+    assert ranks is not None
+    mark = (info.name, id(ranks))
+    hit = same_members.get(mark)
+    if hit is not None and hit[0] is ranks:
+        return hit[1]
+    key = (info.name, ranks)
+    found = known.get(key)
+    if found is None:
+        found = known[key] = Group(-1, info.name, info.desc, ranks, True)
+    same_members[mark] = (ranks, found)
+    return found
+
+
 @functools.total_ordering
 class _members_key:
     """Orders member lists as tuples do, without copying a ``range`` into one."""
@@ -706,6 +743,10 @@ class CollectiveRows:
     #: ``order`` are int32 where their values fit (int64 otherwise)
     take: npt.NDArray[np.signedinteger[Any]]
     seq: npt.NDArray[np.signedinteger[Any]]
+    #: row -> its group's local index on its rank (int8 where the ranks' group
+    #: counts allow): a number per group within a rank, for sorts that need rows
+    #: by (rank, group) and can take them by group then rank (a radix sort)
+    local: npt.NDArray[np.signedinteger[Any]]
     digests: list[RankDigest]
     job: JobModel
 
@@ -797,51 +838,36 @@ def _narrow(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
 
 
 def _collective_rows(job: JobModel) -> CollectiveRows:
-    ranks = sorted(job.digests)
+    slots = job.group_slots()
+    ranks = slots.ranks
     digests = [job.digests[r] for r in ranks]
-    members: dict[int, set[int]] = {}
-    luts: list[int] = []
-    base = np.zeros(len(ranks) + 1, dtype=np.int64)
-    for i, (rank, d) in enumerate(zip(ranks, digests, strict=True)):
-        for local in range(len(d.groups)):
-            g = job.group_of.get((rank, local), -1)
-            if g >= 0:
-                inside = members.get(g)
-                if inside is None:
-                    inside = members[g] = set(job.dumped_members(g))
-                if rank not in inside:
-                    g = -1
-            luts.append(g)
-        luts.append(-1)  # any other local index (out of range) falls here
-        base[i + 1] = len(luts)
-    sizes = np.array([len(d) for d in digests], dtype=np.int64)
-    n_local = np.diff(base) - 1
+    # a rank's rows on a group count only when it is one of the group's members
+    lut = np.where(slots.member >= 0, slots.gid, -1).astype(np.int32)
+    sizes = np.fromiter((d.seq.shape[0] for d in digests), dtype=np.int64, count=len(digests))
     # every per-row temporary here is int32 where the values allow (32.8 million
     # rows at 16,384 ranks: each int64 column is 262 MB)
-    slot_t: type[np.signedinteger[Any]] = np.int32 if len(luts) < (1 << 31) else np.int64
+    slot_t: type[np.signedinteger[Any]] = np.int32 if len(lut) < (1 << 31) else np.int64
     at_all = np.repeat(np.arange(len(ranks), dtype=np.int32), sizes)
-    group: npt.NDArray[np.signedinteger[Any]]
     if len(at_all):
-        group = np.concatenate([d.group for d in digests]).astype(slot_t)
+        group = np.concatenate([d.group for d in digests])
         p2p = np.concatenate([d.is_p2p for d in digests])
     else:
         group = np.zeros(0, dtype=slot_t)
         p2p = np.zeros(0, dtype=np.uint8)
-    n_at = np.repeat(n_local.astype(slot_t), sizes)
-    slot = np.where((group >= 0) & (group < n_at), group, n_at)
-    del group, n_at
-    slot += np.repeat(base[:-1].astype(slot_t), sizes)
-    gid_all: npt.NDArray[np.int32] = np.asarray(luts, dtype=np.int32)[slot]
-    del slot
+    local_all = slots.local_of(at_all, group, slot_t)
+    del group
+    gid_all: npt.NDArray[np.int32] = lut[local_all + slots.base.astype(slot_t)[at_all]]
     take = _narrow(np.flatnonzero((gid_all >= 0) & (p2p == 0)))
     at = at_all[take]
     gid = gid_all[take]
-    del at_all, gid_all, p2p
+    top = int(slots.n_local.max(initial=0))
+    local = local_all[take].astype(np.int8 if top < 127 else np.int16 if top < 32767 else slot_t)
+    del at_all, gid_all, p2p, local_all
     offsets = np.searchsorted(at, np.arange(len(ranks) + 1, dtype=np.int32)).astype(np.int64)
     seq = (_narrow(np.concatenate([d.seq for d in digests])[take]) if len(take)
            else np.zeros(0, dtype=np.int64))
     return CollectiveRows(ranks=ranks, at=at, gid=gid, offsets=offsets, take=take, seq=seq,
-                          digests=digests, job=job)
+                          local=local, digests=digests, job=job)
 
 
 def _in_member_order(job: JobModel, ranks: list[int], at: npt.NDArray[np.int32],

@@ -219,12 +219,14 @@ def _uncut(job: JobModel, c: CollectiveRows,
     rows = np.flatnonzero(cut_able[c.at]) if n else np.zeros(0, dtype=np.intp)
     if len(rows) == 0:
         return None
-    # each (rank, group)'s rows together, in record order (a stable sort)
-    rows = rows[np.lexsort((c.gid[rows], c.at[rows]))]
+    # each (rank, group)'s rows together, in record order: a stable sort by the
+    # group's local index (a radix sort of small numbers) keeps rank order within
+    rows = rows[np.argsort(c.local[rows], kind="stable")]
     at, gid, seq = c.at[rows], c.gid[rows], c.seq[rows].astype(np.int64)
     new = np.r_[True, (at[1:] != at[:-1]) | (gid[1:] != gid[:-1])]
     first = np.flatnonzero(new)
-    seg = np.cumsum(new) - 1
+    seg: npt.NDArray[Any] = np.cumsum(new, dtype=np.int32 if len(first) < 1 << 31 else np.int64)
+    seg -= 1
     oldest = np.minimum.reduceat(seq, first)
     at_oldest = seq == oldest[seg]
     rising = np.logical_and.reduceat(np.r_[True, new[1:] | (seq[1:] > seq[:-1])], first)

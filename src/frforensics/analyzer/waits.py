@@ -366,10 +366,11 @@ def build_wait_graph(job: JobModel, *, hang_after_s: float = 1.0) -> WaitGraph:
     waits: dict[int, Wait] = {}
     young: list[int] = []
     coll_cache: dict[tuple[int, int], _CollStatus] = {}
-    for rank, d in sorted(job.digests.items()):
+    for rank in job.ranks_pending():
         blocked = job.blocked_row(rank)
         if blocked is None:
             continue
+        d = job.digests[rank]
         row = blocked
         age = job.age_s(rank, row)
         if age is not None and age < hang_after_s:

@@ -120,6 +120,8 @@ def cascade(ctx: Context) -> Cascade:
     # Ranks without a dump: a stale heartbeat says it died (no exception).
     stale: dict[int, int] = {}
     for d in ctx.job.digests.values():
+        if not d.stale_peers:
+            continue
         current = _current_members(d)
         for p in d.stale_peers:
             if current is not None and p.rank not in current:

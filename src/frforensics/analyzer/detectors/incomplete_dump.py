@@ -18,7 +18,10 @@ Worked example (native gloo dumps after a timeout, ``timeout_ms`` stripped)::
 
 from __future__ import annotations
 
+import numpy as np
+
 from frforensics.analyzer.context import Context
+from frforensics.analyzer.digest import ranks_with_other
 from frforensics.report import Finding, FindingKind, Severity
 
 _FIELDS = (
@@ -30,9 +33,13 @@ _FIELDS = (
 def detect(ctx: Context) -> list[Finding]:
     """One finding per missing field, naming the ranks whose entries all lack it."""
     findings = []
+    order = sorted(ctx.job.digests)
+    digests = [ctx.job.digests[r] for r in order]
+    has_rows = np.fromiter((d.seq.shape[0] > 0 for d in digests), dtype=np.bool_,
+                           count=len(digests))
     for column, field, what in _FIELDS:
-        ranks = sorted(r for r, d in ctx.job.digests.items()
-                       if len(d) and not bool((getattr(d, column) != 0).any()))
+        lacking = has_rows & ~ranks_with_other(digests, column)
+        ranks = [order[i] for i in np.flatnonzero(lacking).tolist()]
         if not ranks:
             continue
         findings.append(Finding(

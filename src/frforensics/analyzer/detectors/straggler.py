@@ -77,6 +77,7 @@ Worked example (4 ranks, default group; rank 1 sleeps 300 ms before each step)::
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -305,45 +306,34 @@ class _Gathered:
     def __init__(self, ctx: Context, ranks: list[int], window: int) -> None:
         job = ctx.job
         digests = [job.digests[r] for r in ranks]
-        sizes = np.array([min(len(d), window) for d in digests], dtype=np.int64)
-        self.max_seq = max([int(d.seq.max()) + 2 for d in digests if len(d)] + [1])
+        lens = np.fromiter((d.seq.shape[0] for d in digests), dtype=np.int64, count=len(digests))
+        sizes = np.minimum(lens, window)
+        whole = bool((sizes == lens).all())
+        seq_all = _cat(digests, "seq") if whole else None
+        top = (int(seq_all.max(initial=-2)) + 2 if seq_all is not None
+               else max([int(d.seq.max()) + 2 for d in digests if len(d)], default=0))
+        self.max_seq = max(top, 1)
         self.resolution = max([d.completion_resolution_ns for d in digests if len(d)] + [0])
-        # per rank: local group index -> global group id and the rank's member index
-        luts: list[list[int]] = []
-        cols: list[list[int]] = []
-        canons: list[list[int]] = []  # a number per global group within the rank
-        # a range (a claimed world too large to list) answers index lookups itself
-        members: list[dict[int, int] | range] = [
-            g.ranks if isinstance(g.ranks, range) else {r: i for i, r in enumerate(g.ranks)}
-            for g in job.groups]
-        for rank, d in zip(ranks, digests, strict=True):
-            lut = [job.group_of.get((rank, i), -1) for i in range(len(d.groups))]
-            luts.append([*lut, -1])
-            cols.append([_member_index(members[g], rank) if g >= 0 else -1 for g in lut] + [-1])
-            canons.append([lut.index(g) for g in lut] + [len(lut)])
-        # the per-row index columns are int32 (8.4 million rows at 16,384 ranks: 34 MB
-        # each instead of 67); keys and times stay int64
-        n_lut = sum(len(lut) for lut in luts)
-        index_t: type[np.signedinteger[Any]] = np.int32 if n_lut < (1 << 31) else np.int64
-        n_local = np.array([len(lut) - 1 for lut in luts], dtype=index_t)
-        base = np.zeros(len(ranks), dtype=np.int64)
-        np.cumsum(n_local[:-1].astype(np.int64) + 1, out=base[1:])
-        lut_cat = np.array([g for lut in luts for g in lut], dtype=np.int32)
-        col_cat = np.array([c for col in cols for c in col], dtype=np.int32)
-        canon_cat = np.array([c for canon in canons for c in canon], dtype=np.int32)
+        # (rank, local group) -> global group id, the rank's member index and a
+        # number per global group within the rank (``analyzer.slots``); the per-row
+        # index columns are int32 (8.4 million rows at 16,384 ranks: 34 MB each
+        # instead of 67); keys and times stay int64
+        slots = job.group_slots()
+        if slots.ranks != ranks:
+            raise ValueError("the gather is over every dumped rank, ascending")
+        index_t: type[np.signedinteger[Any]] = np.int32 if len(slots.gid) < (1 << 31) else np.int64
+        lut_cat, col_cat, canon_cat = slots.gid, slots.member, slots.canon
 
         def cat(name: str) -> npt.NDArray[Any]:  # each rank's last ``window`` entries
-            return np.concatenate([getattr(d, name)[len(d) - n:]
-                                   for d, n in zip(digests, sizes.tolist(), strict=True)])
+            if whole:
+                return _cat(digests, name)
+            return np.concatenate([getattr(d, name)[n_all - n:] for d, n_all, n
+                                   in zip(digests, lens.tolist(), sizes.tolist(), strict=True)])
 
         at = np.repeat(np.arange(len(ranks), dtype=np.int32), sizes)
         # (at 16,384 ranks every column here is 8.4 million rows: each temporary
         # is deleted once used)
-        group = cat("group").astype(index_t)
-        own = n_local[at]
-        local = np.where((group >= 0) & (group < own), group, own)
-        del group, own
-        local += base.astype(index_t)[at]
+        local = slots.slot_of(at, cat("group"), index_t)
         gid = lut_cat[local]
         t_complete = cat("t_complete_ns")
         t_enqueue = cat("t_enqueue_ns")
@@ -367,7 +357,8 @@ class _Gathered:
         del done
 
         rows = np.flatnonzero((cat("is_p2p") == 0) & (gid >= 0) & (t_enqueue > 0))
-        seq = cat("seq")[rows].astype(np.int64)
+        seq = (seq_all if seq_all is not None else cat("seq"))[rows].astype(np.int64)
+        del seq_all
         at_r, gid_r = at[rows], gid[rows]
         key = gid_r.astype(np.int64) * self.max_seq + seq
         col = col_cat[local[rows]]
@@ -412,6 +403,12 @@ class _Gathered:
             for d in digests:
                 self.op_names.update({h: n for h, n in d.op_names.items()
                                       if h in (SEND_HASH, RECV_HASH)})
+
+
+def _cat(digests: list[RankDigest], name: str) -> npt.NDArray[Any]:
+    """Column ``name`` of every digest, concatenated."""
+    parts = list(map(operator.attrgetter(name), digests))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def _p2p_pairs(ranks: I8, at: IX, gid: IX, is_p2p: IX, peer: IX, peer_seq: IX, op: IX,
