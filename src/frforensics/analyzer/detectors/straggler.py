@@ -346,17 +346,22 @@ class _Gathered:
         # after computing the next one), which says when the rank was done thinking,
         # not what let it go on (a pipeline stage 40 ms slow per forward read 0.1 ms)
         gpu = np.repeat(np.array([d.gpu_states for d in digests], dtype=np.bool_), sizes)
-        releases = done & ~((cat("is_p2p") == 1) & (cat("op_hash") == SEND_HASH) & ~gpu)
+        is_p2p, op_all = cat("is_p2p"), cat("op_hash")
+        releases = done & ~((is_p2p == 1) & (op_all == SEND_HASH) & ~gpu)
         rel = np.fmin(_release(at, t_complete, releases,
                                np.where(releases, comp, np.nan), sizes),
                       t_enqueue.astype(np.float64))
         del releases, gpu, t_complete
-        self.p2p = _p2p_pairs(np.asarray(ranks, dtype=np.int64), at, gid, cat("is_p2p"),
-                              cat("peer"), cat("peer_seq"), cat("op_hash"), t_enqueue, comp, rel,
-                              done)
-        del done
+        # the sends and recvs that may pair (their peer columns gathered only then)
+        cand = np.flatnonzero((is_p2p == 1) & (gid >= 0) & (t_enqueue > 0) & done
+                              & ((op_all == SEND_HASH) | (op_all == RECV_HASH)))
+        self.p2p = None if len(cand) < 2 else _p2p_pairs(
+            np.asarray(ranks, dtype=np.int64), at[cand], gid[cand], cat("peer")[cand],
+            cat("peer_seq")[cand], op_all[cand], t_enqueue[cand], comp[cand], rel[cand])
+        del done, cand
 
-        rows = np.flatnonzero((cat("is_p2p") == 0) & (gid >= 0) & (t_enqueue > 0))
+        rows = np.flatnonzero((is_p2p == 0) & (gid >= 0) & (t_enqueue > 0))
+        del is_p2p
         seq = (seq_all if seq_all is not None else cat("seq"))[rows].astype(np.int64)
         del seq_all
         at_r, gid_r = at[rows], gid[rows]
@@ -393,7 +398,7 @@ class _Gathered:
         self.lengths: list[int] = per_rank[self.at_list].tolist()
         self.cat = {
             "key": key[first], "enq": t_enqueue[rows].astype(np.float64), "comp": comp[rows],
-            "rel": rel[rows], "op": cat("op_hash")[rows], "gid": gid_r[first].astype(np.int32, copy=False),
+            "rel": rel[rows], "op": op_all[rows], "gid": gid_r[first].astype(np.int32, copy=False),
             "col": col[first], "dur": dur, "between": between, "n_between": n_between,
         }
         self.op_names: dict[int, str] = {}
@@ -411,16 +416,16 @@ def _cat(digests: list[RankDigest], name: str) -> npt.NDArray[Any]:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _p2p_pairs(ranks: I8, at: IX, gid: IX, is_p2p: IX, peer: IX, peer_seq: IX, op: IX,
-               t_enqueue: I8, comp: F8, rel: F8, done: BOOL) -> dict[str, Any] | None:
+def _p2p_pairs(ranks: I8, at: IX, gid: IX, peer: IX, peer_seq: IX, op: IX,
+               t_enqueue: I8, comp: F8, rel: F8) -> dict[str, Any] | None:
     """Matched send/recv pairs among the windows' entries, for the completion basis
     (module doc, "Send/recv"): the k-th send from A to B on a group with the k-th
     recv at B from A, both completed — by the per-peer numbers of frforensics'
     dumps (``peer_seq``; PyTorch's own dumps carry none, and its gloo recorder no
-    send/recv at all). ``None`` when there is no pair."""
+    send/recv at all). ``None`` when there is no pair. The rows given are the
+    completed sends and recvs on a known group with an enqueue time."""
     is_send = op == SEND_HASH
-    rows = np.flatnonzero((is_p2p == 1) & (gid >= 0) & (t_enqueue > 0) & done & (peer >= 0)
-                          & (peer_seq > 0) & (is_send | (op == RECV_HASH)))
+    rows = np.flatnonzero((peer >= 0) & (peer_seq > 0))
     if len(rows) < 2:
         return None
     me = ranks[at[rows]]
