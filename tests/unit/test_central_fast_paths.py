@@ -559,9 +559,12 @@ def test_ranks_with_other_agrees_with_a_check_per_rank(mode: str) -> None:
         ds = [rng.choice([d, compact(d), replace(d, state=d.state[:0], timeout_ms=d.timeout_ms[:0],
                                                  t_enqueue_ns=d.t_enqueue_ns[:0])])
               for d in ds]
-        for name, value in (("state", OpState.COMPLETED), ("timeout_ms", 0), ("t_enqueue_ns", 0)):
+        for name, value in (("state", OpState.COMPLETED), ("timeout_ms", 0), ("t_enqueue_ns", 0),
+                            ("state", OpState.FAILED)):
             want = [bool((getattr(d, name) != value).any()) for d in ds]
             assert ranks_with_other(ds, name, value).tolist() == want, (seed, name)
+            same = [bool((getattr(d, name) == value).any()) for d in ds]
+            assert ranks_with_other(ds, name, value, same=True).tolist() == same, (seed, name)
             seen.update(want)
     assert seen == {True, False}
     assert ranks_with_other([], "state").tolist() == []

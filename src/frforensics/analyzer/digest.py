@@ -330,24 +330,27 @@ def _rebuild_digest(values: tuple[Any, ...], layout: tuple[tuple[int, str, int, 
     return RankDigest(*out)
 
 
-def ranks_with_other(digests: Sequence[RankDigest], name: str,
-                     value: int = 0) -> npt.NDArray[np.bool_]:
-    """Per digest: whether column ``name`` holds a value other than ``value`` (one
-    pass over every digest's rows; a one-value column (:func:`compact`) by its value)."""
+def ranks_with_other(digests: Sequence[RankDigest], name: str, value: int = 0, *,
+                     same: bool = False) -> npt.NDArray[np.bool_]:
+    """Per digest: whether column ``name`` holds a value other than ``value`` (with
+    ``same``: the value itself). One pass over every digest's rows; a one-value
+    column (:func:`compact`) is read by its value."""
     cols = [getattr(d, name) for d in digests]
     out = np.zeros(len(cols), dtype=np.bool_)
     varying: list[int] = []
     for i, c in enumerate(cols):
         if c.shape[0] > 1 and c.strides[0] == 0:
-            out[i] = c[0] != value
+            out[i] = (c[0] == value) == same
         elif c.shape[0]:
             varying.append(i)
     if varying:
         parts = [cols[i] for i in varying]
         sizes = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+        rows = np.concatenate(parts)
+        hit = rows == value if same else rows != value
+        del rows
         # every segment holds a row: its start is within the column
-        out[varying] = np.logical_or.reduceat(np.concatenate(parts) != value,
-                                              np.cumsum(sizes) - sizes)
+        out[varying] = np.logical_or.reduceat(hit, np.cumsum(sizes) - sizes)
     return out
 
 

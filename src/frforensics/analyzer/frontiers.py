@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from frforensics.analyzer.digest import ranks_with_other
 from frforensics.model import OpState, SourceFormat
 from frforensics.report import format_ranks
 
@@ -69,7 +70,11 @@ def mark_frontiers(job: JobModel) -> list[str]:
     if any(retirement_only(d) for d in job.digests.values()):
         notes.extend(_mark(job))
     error_from: dict[int, int] = {}
-    for rank, d in job.digests.items():
+    ranks = list(job.digests)
+    failing = ranks_with_other([job.digests[r] for r in ranks], "state", OpState.FAILED,
+                               same=True)
+    for i in np.flatnonzero(failing).tolist():
+        rank, d = ranks[i], job.digests[ranks[i]]
         failed = np.flatnonzero(d.state == OpState.FAILED)
         if len(failed) and int(failed[0]) + 1 < len(d):
             error_from[rank] = int(failed[0]) + 1
