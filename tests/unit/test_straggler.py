@@ -158,14 +158,12 @@ def test_release_times_match_a_per_rank_running_max(span_ns: int) -> None:
     at = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
     t_complete = rng.integers(1, span_ns, size=len(at), dtype=np.int64)
     done = rng.random(len(at)) < 0.6
-    comp = np.where(done, t_complete, 0).astype(np.float64)
-    comp[~done] = np.nan
     want = np.full(len(at), np.nan)
     for i in range(len(at)):
         earlier = [t_complete[j] for j in range(i) if at[j] == at[i] and done[j]]
         if earlier:
             want[i] = float(max(earlier))
-    got = _release(at, t_complete, done, comp, sizes)
+    got = _release(at, t_complete, done, sizes)
     assert np.array_equal(got, want, equal_nan=True)
 
 

@@ -99,7 +99,15 @@ def _signal_failure(detail: str) -> Failure | None:
 
 
 def cascade(ctx: Context) -> Cascade:
-    """Classify every recorded failure of the job (see the module doc)."""
+    """Classify every recorded failure of the job (see the module doc): once per
+    context (three rules and the report read it; each pass walks every rank)."""
+    done: Cascade | None = ctx.memo.get("cascade")
+    if done is None:
+        done = ctx.memo["cascade"] = _cascade(ctx)
+    return done
+
+
+def _cascade(ctx: Context) -> Cascade:
     roots: list[RankFailure] = []
     conseq: list[RankFailure] = []
     unknown: list[RankFailure] = []
