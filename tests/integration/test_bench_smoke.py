@@ -92,6 +92,16 @@ def test_curve_smoke(tmp_path: Path) -> None:
     assert len(list((tmp_path / "results").glob("curve-*.md"))) == 1
 
 
+def test_curve_dask_shards_smoke(tmp_path: Path) -> None:
+    # issue 30, item 5: the --dask load with each worker holding its own shard
+    out = _run(BENCH / "curve.py", "--sizes", "64", "--entries", "20", "--jobs", "1",
+               "--dask-workers", "2", "--data", tmp_path / "data", "--results", tmp_path / "results")
+    assert sorted(p.name for p in (tmp_path / "data" / "clone-64-20" / "shards-2").iterdir()) == [
+        ".complete", "0", "1"]
+    table = next((tmp_path / "results").glob("curve-*.md")).read_text()
+    assert "| 64 | 2 |" in table and "healthy (64 loaded)" in table.split("--dask")[-1], out
+
+
 def test_speed_benchmark_smoke(tmp_path: Path) -> None:
     # every set and issue 30's targets block, tiny: the 3-D hang at 32 ranks, the
     # big clones (healthy and one rank stuck) at 64, the central step at 64
