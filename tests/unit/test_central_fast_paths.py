@@ -205,8 +205,10 @@ def test_passes_agree_on_the_recorded_timeout_and_small_ring_dumps() -> None:
     assert _late_entries(_context(ds.digests), set()), "the recorded late entry is found"
 
 
-def test_collective_rows_are_every_members_view() -> None:
-    digests = _digests("nccl", 3)
+@pytest.mark.parametrize(("mode", "seed"), [("nccl", s) for s in range(6)] + [("gloo", 1), ("gloo", 4)])
+def test_collective_rows_are_every_members_view(mode: str, seed: int) -> None:
+    # with and without p2p rows (pp > 1), so both ways of taking the rows are checked
+    digests = _digests(mode, seed)
     job = build_job(digests)
     c = collective_rows(job)
     for gid in range(len(job.groups)):

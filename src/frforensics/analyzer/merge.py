@@ -771,6 +771,8 @@ class CollectiveRows:
         full = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         if full.dtype == np.int64:
             full = _narrow(full)  # int32 where the values fit: callers widen a slice
+        if len(self.take) == len(full):  # every row taken (``_collective_rows``): take[i] == i
+            return lambda rows: full[rows]
         return lambda rows: full[self.take[rows]]
 
     def ordered(self, keep: npt.NDArray[np.bool_] | None = None,
@@ -863,24 +865,30 @@ def _collective_rows(job: JobModel) -> CollectiveRows:
     # rows at 16,384 ranks: each int64 column is 262 MB)
     slot_t: type[np.signedinteger[Any]] = np.int32 if len(lut) < (1 << 31) else np.int64
     at_all = np.repeat(np.arange(len(ranks), dtype=np.int32), sizes)
-    if len(at_all):
-        group = np.concatenate([d.group for d in digests])
-        p2p = np.concatenate([d.is_p2p for d in digests])
-    else:
-        group = np.zeros(0, dtype=slot_t)
-        p2p = np.zeros(0, dtype=np.uint8)
+    group = (np.concatenate([d.group for d in digests]) if len(at_all)
+             else np.zeros(0, dtype=slot_t))
     local_all = slots.local_of(at_all, group, slot_t)
     del group
     gid_all: npt.NDArray[np.int32] = lut[local_all + slots.base.astype(slot_t)[at_all]]
-    take = _narrow(np.flatnonzero((gid_all >= 0) & (p2p == 0)))
-    at = at_all[take]
-    gid = gid_all[take]
+    keep = gid_all >= 0
+    with_p2p = np.flatnonzero(ranks_with_other(digests, "is_p2p", 0))
+    if len(with_p2p):  # only the ranks with a p2p row: their rows' flags
+        starts = np.cumsum(sizes) - sizes
+        rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in with_p2p])
+        keep[rows] &= np.concatenate([digests[i].is_p2p for i in with_p2p]) == 0
+        del rows
     top = int(slots.n_local.max(initial=0))
-    local = local_all[take].astype(np.int8 if top < 127 else np.int16 if top < 32767 else slot_t)
-    del at_all, gid_all, p2p, local_all
+    local_t = np.int8 if top < 127 else np.int16 if top < 32767 else slot_t
+    seq_all = np.concatenate([d.seq for d in digests]) if len(at_all) else np.zeros(0, np.int64)
+    if keep.all():  # every row a collective of a group the rank is a member of
+        take = _narrow(np.arange(len(keep)))
+        at, gid, local, seq = at_all, gid_all, local_all.astype(local_t), _narrow(seq_all)
+    else:
+        take = _narrow(np.flatnonzero(keep))
+        at, gid, local = at_all[take], gid_all[take], local_all[take].astype(local_t)
+        seq = _narrow(seq_all[take])
+    del at_all, gid_all, local_all, keep, seq_all
     offsets = np.searchsorted(at, np.arange(len(ranks) + 1, dtype=np.int32)).astype(np.int64)
-    seq = (_narrow(np.concatenate([d.seq for d in digests])[take]) if len(take)
-           else np.zeros(0, dtype=np.int64))
     return CollectiveRows(ranks=ranks, at=at, gid=gid, offsets=offsets, take=take, seq=seq,
                           local=local, digests=digests, job=job)
 
