@@ -7,9 +7,11 @@ import dataclasses
 import enum
 import pickle
 import random
+import zlib
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -230,6 +232,64 @@ def test_corrupt_payloads_fail_with_one_error(hang_digests: dict[str, list[RankD
             wire.decode_batch(bytes(payload[:cut]))
     with pytest.raises(wire.WireError):
         wire.decode_batch(pickle.dumps(hang_digests["frdump"][0]))
+
+
+def _with_details(payload: bytes, edit: Any) -> bytes:
+    """``payload`` with its entry-detail matrix (a row per field, ``wire._pack_details``)
+    passed through ``edit`` (a hostile worker's payload)."""
+    doc = msgpack.unpackb(zlib.decompress(payload[5:]), raw=False, strict_map_key=False)
+    counts, names, kinds, off, ln = doc["details"]
+    n = sum(counts)
+    matrix = wire._unshuffle(doc["blob"][off:off + ln], np.dtype(np.int64),
+                             (len(names) + 1) * n).reshape(-1, n).copy()
+    edit(matrix)
+    data = wire._shuffle(matrix.reshape(-1))
+    doc["details"] = [counts, names, kinds, len(doc["blob"]), len(data)]
+    doc["blob"] = doc["blob"] + data
+    return wire._MAGIC + wire._ZLIB + zlib.compress(msgpack.packb(doc, use_bin_type=True))
+
+
+def test_what_the_decoder_accepts_the_field_by_field_check_accepts(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    # decode_batch checks its own digests' stacks and entry details once, at their
+    # tables (check_digest(decoded=...)); the full check is the oracle, on payloads
+    # whose detail matrix a hostile worker rewrote (row numbers, string, stack and
+    # state indices, flags, times: small, negative, past every table, huge)
+    payload = wire.encode_batch([*hang_digests["frdump"][:3], *hang_digests["native"][3:5]])
+    rng = np.random.default_rng(11)
+    picks = np.array([-(1 << 63), -2, -1, 0, 1, 2, 3, 7, 399, 400, 401, 1 << 20, (1 << 63) - 1])
+    accepted = refused = 0
+    for _ in range(300):
+        def edit(m: np.ndarray) -> None:
+            k = int(rng.integers(1, 6))
+            m[rng.integers(0, m.shape[0], k), rng.integers(0, m.shape[1], k)] = rng.choice(picks, k)
+        try:
+            back = wire.decode_batch(_with_details(payload, edit))
+        except wire.WireError:
+            refused += 1
+            continue
+        accepted += 1
+        for d in back:
+            wire.check_digest(d)
+    assert accepted > 20 and refused > 20, (accepted, refused)
+
+
+@pytest.mark.parametrize(("edit", "error"), [("row_past_the_entries", "row outside"),
+                                             ("op_missing", "field op without its string")])
+def test_entry_details_the_full_check_refuses_are_refused_by_the_decoder(
+        hang_digests: dict[str, list[RankDigest]], edit: str, error: str) -> None:
+    d = hang_digests["frdump"][5]
+    row, det = next(iter(d.details.items()))
+    details = dict(d.details)
+    if edit == "row_past_the_entries":
+        details[len(d) + 3] = det
+    else:
+        details[row] = det._replace(op=None)
+    bad = dataclasses.replace(d, details=details)
+    with pytest.raises(wire.WireError):
+        wire.check_digest(bad)  # the oracle
+    with pytest.raises(wire.WireError, match=error):
+        wire.decode_batch(wire.encode_batch([hang_digests["frdump"][0], bad]))
 
 
 def test_a_local_analysis_never_imports_dask() -> None:

@@ -357,14 +357,15 @@ def ranks_with_other(digests: Sequence[RankDigest], name: str, value: int = 0, *
     return out
 
 
-def compact(d: RankDigest) -> RankDigest:
+def compact(d: RankDigest, *, columns: bool = True) -> RankDigest:
     """``d`` with each column whose rows all hold one value as a read-only view of
     that value (stride 0), and ``numel`` as ``size`` where they are equal: a job's
     dumps repeat most columns (p2p columns of a job without p2p, one timeout, one
     state), and the main process holds every rank's digest (16,384 ranks: 3.4 GB
-    before). Values and dtypes are unchanged; nothing writes into a digest."""
+    before). Values and dtypes are unchanged; nothing writes into a digest.
+    ``columns=False``: the caller made the one-value views (``wire``), ``numel`` only."""
     changes: dict[str, Any] = {}
-    for name in _ARRAY_FIELDS:
+    for name in _ARRAY_FIELDS if columns else ():
         v = getattr(d, name)
         if isinstance(v, np.ndarray) and v.ndim == 1 and len(v) > 1 and v.strides[0] != 0 \
                 and bool((v == v[0]).all()):

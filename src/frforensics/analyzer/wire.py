@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import lzma
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, Final
 
 import msgpack
@@ -246,8 +246,11 @@ _DTYPES: Final = {np.dtype(t).str: np.dtype(t)
                   for t in (*_INT_TYPES, np.bool_, np.float32, np.float64)}
 
 
-def _get_segments(blob: memoryview, spec: Sequence[Any],
-                  bases: Sequence[int]) -> list[npt.NDArray[Any]]:
+def _get_segments(blob: memoryview, spec: Sequence[Any], bases: Sequence[int], *,
+                  one_value_views: bool = False) -> list[npt.NDArray[Any]]:
+    """The column's segment of each digest; ``one_value_views``: a segment of more than
+    one row, all of one value, as a read-only stride-0 view of that value, as
+    ``digest.compact`` leaves it (found for the whole batch in two passes)."""
     try:
         dtype_s, lengths, form, stored_s, off, ln, extra = spec
         dtype, stored = _DTYPES[dtype_s], _DTYPES[stored_s]
@@ -287,10 +290,32 @@ def _get_segments(blob: memoryview, spec: Sequence[Any],
         x = table[idx]
     else:
         raise WireError(f"unknown column form {form!r}")
+    if one_value_views and dtype.kind in "iub" and n:
+        return _one_value_views(x, lengths)
     if len(lengths) == 1:
         return [x]
     bounds = np.cumsum(lengths).tolist()
     return [x[e - k:e] for e, k in zip(bounds, lengths, strict=True)]
+
+
+def _one_value_views(x: npt.NDArray[Any], lengths: Sequence[int]) -> list[npt.NDArray[Any]]:
+    """``x`` cut into segments of ``lengths``, those of one value as stride-0 views."""
+    size = np.asarray(lengths, dtype=np.int64)
+    ends = np.cumsum(size)
+    held = size > 0
+    starts = (ends - size)[held]
+    one = np.zeros(len(size), dtype=np.bool_)
+    one[held] = np.minimum.reduceat(x, starts) == np.maximum.reduceat(x, starts)
+    one &= size > 1
+    out = []
+    for e, k, same in zip(ends.tolist(), size.tolist(), one.tolist(), strict=True):
+        if same:
+            v = np.ndarray((k,), x.dtype, x[e - 1:e].copy(), 0, (0,))
+            v.flags.writeable = False
+            out.append(v)
+        else:
+            out.append(x[e - k:e])
+    return out
 
 
 # ------------------------------------------------------------------ tables
@@ -568,6 +593,9 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
             elif kind == "s":
                 if col and max(col) >= len(strings):
                     raise WireError("bad entry details: string index past the table")
+                if col and name != "location" and min(col) < 0:
+                    # (only a location may be missing: check_digest's rule, here per column)
+                    raise WireError(f"bad entry details: field {name} without its string")
                 col = [None if v < 0 else strings[v] for v in col]
             elif kind == "f":
                 if col and max(col) >= len(stacks):
@@ -770,6 +798,11 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
         stacks = [cache.stacks.setdefault(s, s) for s in stacks]
         groups = [cache.groups.setdefault(g, g) for g in groups]
     unpacker = _Unpacker(frames, stacks, groups)
+    # every stack of the table is frames of checked strings and int64 lines: the
+    # digests' stacks (details, threads, a death) are these objects, checked once here
+    # rather than once per use (~2 ms a rank: the central step of --dask at 100,000
+    # ranks spent 200 s of CPU re-checking them)
+    trusted = frozenset(map(id, stacks))
     packed = doc["digests"]
     if not isinstance(packed, bytes):
         raise WireError("malformed digest payload: digests")
@@ -788,8 +821,8 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
         for i in members:
             _index(i, len(values), "digest")
         pick = bases if name in _TIME_COLUMNS else zeros
-        for i, col in zip(members, _get_segments(blob, spec, [pick[i] for i in members]),
-                          strict=True):
+        for i, col in zip(members, _get_segments(blob, spec, [pick[i] for i in members],
+                                                 one_value_views=True), strict=True):
             values[i][name] = col
     for v, details in zip(values, _unpack_details(doc["details"], blob, strings, stacks, bases),
                           strict=True):
@@ -799,7 +832,7 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
         if set(v) != set(_DIGEST_FIELDS):
             raise WireError("digest from another version of frforensics (fields differ)")
         d = _digest_of(v)
-        check_digest(d, limits)
+        check_digest(d, limits, decoded=trusted)
         out.append(d)
     return out
 
@@ -815,7 +848,8 @@ def _digest_of(v: dict[str, Any]) -> RankDigest:
             head[name] = enum_type(value)
         except ValueError:
             raise WireError(f"a digest's {name} {value!r:.40} is not one this version knows") from None
-    return compact(RankDigest(header=DumpHeader(**head), **v))
+    # (the one-value columns are views already: ``_get_segments``)
+    return compact(RankDigest(header=DumpHeader(**head), **v), columns=False)
 
 
 # ------------------------------------------------------------------ checks
@@ -850,6 +884,17 @@ def _text_ok(v: Any, limits: Limits) -> bool:
     return type(v) is str and len(v) <= 4 * limits.max_string_chars
 
 
+def _int_to_text(table: dict[Any, Any], limits: Limits) -> bool:
+    """Every key an int within int64, every value a string ``_text_ok`` takes (the
+    types by set, the bounds by min and max: no Python call per item)."""
+    if not table:
+        return True
+    keys, values = table.keys(), table.values()
+    return (set(map(type, keys)) == {int} and min(keys) >= _I64_MIN and max(keys) <= _I64_MAX
+            and set(map(type, values)) == {str}
+            and max(map(len, values)) <= 4 * limits.max_string_chars)
+
+
 def _check_scalars(v: dict[str, Any], limits: Limits) -> None:
     """The fields the decoder itself relies on (rank, dump time), before the columns."""
     rank = v.get("rank")
@@ -860,16 +905,24 @@ def _check_scalars(v: dict[str, Any], limits: Limits) -> None:
         raise _bad(rank, f"dump_time_ns {t!r:.40} is not a time within int64")
 
 
-def _frames_ok(frames: Any, limits: Limits) -> bool:
-    return type(frames) is tuple and all(
+def _frames_ok(frames: Any, limits: Limits, trusted: Container[int] = ()) -> bool:
+    return id(frames) in trusted or (type(frames) is tuple and all(
         type(f) is Frame and _text_ok(f.file, limits) and _text_ok(f.name, limits)
-        and _int64(f.line) for f in frames)
+        and _int64(f.line) for f in frames))
 
 
-def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
+def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS, *,
+                 decoded: Container[int] | None = None) -> None:
     """``WireError`` unless every field of ``d`` has its type and lies within ``limits``:
     what a digest from a file reader guarantees, checked again for one that crossed a
-    process boundary (a worker's or a peer's)."""
+    process boundary (a worker's or a peer's).
+
+    ``decoded``: ``d`` is :func:`decode_batch`'s own, and these are the ids of its
+    payload's stacks, already checked (frames of checked strings and int64 lines):
+    a stack among them is not checked again, and the entry details, which the
+    decoder built field by field from the checked tables (``_unpack_details``), are
+    checked for their rows only."""
+    trusted: Container[int] = () if decoded is None else decoded
     r = d.rank
     if type(r) is not int or not 0 <= r < limits.max_rank:
         raise WireError(f"a digest's rank {r!r:.40} is not in 0..{limits.max_rank - 1}")
@@ -902,7 +955,8 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
         raise _bad(r, "groups are not a tuple of groups")
     if type(d.threads) is not tuple or not all(
             type(t) is ThreadStack and _text_ok(t.name, limits) and _int64(t.ident)
-            and type(t.is_main) is bool and _frames_ok(t.frames, limits) for t in d.threads):
+            and type(t.is_main) is bool and _frames_ok(t.frames, limits, trusted)
+            for t in d.threads):
         raise _bad(r, "threads are not (name, ident, is_main, frames) stacks")
     if type(d.stale_peers) is not tuple or not all(
             type(p) is PeerHeartbeat and type(p.rank) is int and 0 <= p.rank < limits.max_rank
@@ -910,7 +964,7 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
         raise _bad(r, f"stale peers are not (rank in 0..{limits.max_rank - 1}, finite age)")
     if d.death is not None and not (type(d.death) is DeathInfo and _text_ok(d.death.kind, limits)
                                     and _text_ok(d.death.message, limits)
-                                    and _frames_ok(d.death.frames, limits)):
+                                    and _frames_ok(d.death.frames, limits, trusted)):
         raise _bad(r, "death is not (kind, message, frames)")
     if type(d.notes) is not tuple or len(d.notes) > _MAX_NOTES or not all(
             _text_ok(x, limits) for x in d.notes):
@@ -943,11 +997,25 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
     for name, table in (("op_names", d.op_names), ("sites", d.sites)):
         if table is None and name == "sites":
             continue
-        if type(table) is not dict or len(table) > max(n, 1) * 4 + 1024 or not all(
-                _int64(k) and _text_ok(v, limits) for k, v in table.items()):
+        if type(table) is not dict or len(table) > max(n, 1) * 4 + 1024 \
+                or not _int_to_text(table, limits):
             raise _bad(r, f"{name} is not a bounded table of integers to strings")
     if type(d.details) is not dict or len(d.details) > n:
         raise _bad(r, "more entry details than entries")
+    if decoded is not None:  # int keys, EntryDetails of checked fields (``_unpack_details``)
+        if d.details and (min(d.details) < 0 or max(d.details) >= n):
+            raise _bad(r, f"an entry detail's row outside 0..{n - 1}")
+    else:
+        _check_details(d, n, limits)
+    if d.splits is not None:
+        _check_splits(d.splits, r, n, limits)
+    if d.stopped_in_call is not None and not _text_ok(d.stopped_in_call, limits):
+        raise _bad(r, "stopped_in_call is not a string")
+
+
+def _check_details(d: RankDigest, n: int, limits: Limits) -> None:
+    """Every entry detail of ``d``, field by field (a digest not from the decoder)."""
+    r = d.rank
     for row, e in d.details.items():
         if type(row) is not int or not 0 <= row < n or type(e) is not EntryDetail:
             raise _bad(r, f"entry detail of row {row!r:.40} outside 0..{n - 1}")
@@ -958,10 +1026,6 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS) -> None:
             if not ok:
                 raise _bad(r, f"entry detail field {name} of row {row} is not a valid "
                               f"{type(value).__name__}")
-    if d.splits is not None:
-        _check_splits(d.splits, r, n, limits)
-    if d.stopped_in_call is not None and not _text_ok(d.stopped_in_call, limits):
-        raise _bad(r, "stopped_in_call is not a string")
 
 
 def _check_splits(splits: Any, r: int, n: int, limits: Limits) -> None:

@@ -338,8 +338,8 @@ class _Gathered:
         t_complete = cat("t_complete_ns")
         t_enqueue = cat("t_enqueue_ns")
         done = (cat("state") >= OpState.COMPLETED) & (t_complete > 0)
-        comp = np.where(done, t_complete, 0).astype(np.float64)
-        comp[~done] = np.nan
+        comp = t_complete.astype(np.float64)  # NaN where not done
+        np.copyto(comp, np.nan, where=~done)
         # what released each op: the latest completion before it on its rank, but
         # never a gloo send's: its completion is when the program called wait() on it
         # (docs/recorder.md: no future; a pipeline stage waits on a microbatch's send
