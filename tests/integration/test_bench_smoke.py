@@ -106,7 +106,8 @@ def test_speed_benchmark_smoke(tmp_path: Path) -> None:
     # every set and issue 30's targets block, tiny: the 3-D hang at 32 ranks, the
     # big clones (healthy and one rank stuck) at 64, the central step at 64
     _run(BENCH / "run.py", "--sizes", "16", "--repeat", "1", "--jobs", "1", "--torch-max", "0",
-         "--hang-size", "32", "--big-frdump", "64", "--central", "64", "--no-profile",
+         "--hang-size", "32", "--big-frdump", "64", "--central", "64",
+         "--central-dask-workers", "2", "--no-profile",
          "--data", tmp_path / "data", "--results", tmp_path / "results")
     table = next((tmp_path / "results").glob("bench-*.md")).read_text()
     assert "healthy-16" in table
@@ -117,6 +118,7 @@ def test_speed_benchmark_smoke(tmp_path: Path) -> None:
     assert "culprits none | wall **yes**, memory **yes**, verdict **yes** |" in targets
     assert "64 ranks × 250 entries: central step < 10 s" in targets
     assert "64 ranks on 1,000 hosts: estimate < 30 s" in targets
+    assert "the --dask client's receive + analyze CPU as measured with 2 workers" in targets
 
 
 def test_straggler_whatif_smoke(tmp_path: Path) -> None:
