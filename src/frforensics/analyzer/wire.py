@@ -40,7 +40,10 @@ constructors of a fixed set of types. A payload is as untrusted as a dump file
 within ``Limits.max_rank`` and :data:`MAX_MEMBERS` per payload, every table
 index is checked (never Python's negative indexing), and every decoded digest is
 checked field by field (:func:`check_digest`: types, ranks, times within int64,
-string and count bounds, column dtypes and lengths, group and unit indices).
+string and count bounds, column dtypes and lengths, group and unit indices);
+the values the decoder builds from the payload's checked tables -- stacks, and
+each entry-detail field, whose kinds, indices and missing strings it checks
+per column -- are checked at their table, not again at each use.
 A malformed payload raises :class:`WireError`, and so does one that runs out
 of memory. :class:`WireCache` makes equal groups and stacks of every
 batch one object in the central process, as the local loader does per batch.
