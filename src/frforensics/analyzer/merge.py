@@ -871,12 +871,8 @@ def _collective_rows(job: JobModel) -> CollectiveRows:
     del group
     gid_all: npt.NDArray[np.int32] = lut[local_all + slots.base.astype(slot_t)[at_all]]
     keep = gid_all >= 0
-    with_p2p = np.flatnonzero(ranks_with_other(digests, "is_p2p", 0))
-    if len(with_p2p):  # only the ranks with a p2p row: their rows' flags
-        starts = np.cumsum(sizes) - sizes
-        rows = np.concatenate([np.arange(starts[i], starts[i] + sizes[i]) for i in with_p2p])
-        keep[rows] &= np.concatenate([digests[i].is_p2p for i in with_p2p]) == 0
-        del rows
+    if ranks_with_other(digests, "is_p2p", 0).any():  # (no column where no rank has p2p)
+        keep &= np.concatenate([d.is_p2p for d in digests]) == 0
     top = int(slots.n_local.max(initial=0))
     local_t = np.int8 if top < 127 else np.int16 if top < 32767 else slot_t
     seq_all = np.concatenate([d.seq for d in digests]) if len(at_all) else np.zeros(0, np.int64)
