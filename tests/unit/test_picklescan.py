@@ -216,3 +216,59 @@ def test_memo_index_past_the_file_is_refused_at_once() -> None:
     data = b"\x80\x02}r\xff\xff\xff\x7f."
     with pytest.raises(CorruptDumpError, match="memo index past the size of the file"):
         native.pickle_to_trace(data, source="f", rank=0)
+
+
+def _scanner_hash_8(words: Any) -> Any:
+    """``hash_bytes`` of ``_picklescan.c`` on 8-byte strings (one word, no tail), vectorized."""
+    import numpy as np
+
+    m = np.uint64(0xFFFFFFFFFFFFFFFF)
+    with np.errstate(over="ignore"):
+        h = np.uint64(14695981039346656037) ^ words
+        h = (h * np.uint64(1099511628211)) & m
+        h ^= h >> np.uint64(29)
+        h ^= np.uint64(8)
+        h ^= h >> np.uint64(32)
+        h = (h * np.uint64(0x9E3779B97F4A7C15)) & m
+        return h ^ (h >> np.uint64(29))
+
+
+def _colliding_strings(count: int, bits: int) -> list[str]:
+    """``count`` ASCII strings of 8 letters whose scanner hashes share their low ``bits``."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    letters = rng.integers(ord("a"), ord("z") + 1, size=(1 << 22, 8), dtype=np.uint8)
+    h = _scanner_hash_8(letters.view("<u8").reshape(-1))
+    low = h & np.uint64((1 << bits) - 1)
+    values, counts = np.unique(low, return_counts=True)
+    assert counts.max() < count  # a single draw rarely reaches count: widen on the most common
+    hit = letters[low == values[counts.argmax()]]
+    while len(hit) < count:
+        more = rng.integers(ord("a"), ord("z") + 1, size=(1 << 22, 8), dtype=np.uint8)
+        low_more = _scanner_hash_8(more.view("<u8").reshape(-1)) & np.uint64((1 << bits) - 1)
+        hit = np.concatenate([hit, more[low_more == values[counts.argmax()]]])
+    return sorted({bytes(row).decode() for row in hit})[:count]
+
+
+@scanner
+def test_strings_crafted_to_collide_give_way_instead_of_probing_every_one() -> None:
+    # The scanner's tables probe linearly with an unseeded hash: strings crafted to
+    # share its low bits would each probe every one before them (n²/2 probes: by
+    # estimate seconds for 50,000 of them in a 1 MB pickle, minutes for 500,000;
+    # with the cap removed this test fails: those 300 probe past it). Past MAX_PROBES
+    # (128) slots a lookup gives way to the Python reader (randomized dict hashes).
+    crafted = _colliding_strings(300, 16)
+    assert len(crafted) == 300
+    doc = _doc()
+    for i, e in enumerate(doc["entries"]):
+        e["pad"] = crafted if i == 0 else []
+    data = pickle.dumps(doc, protocol=4)
+    assert native._picklescan.scan(data) is None  # gave way
+    _same(native.pickle_to_trace(data, source="x", rank=0), _python_path(data))
+    # the same number of ordinary strings: taken by the scanner, the same trace
+    doc["entries"][0]["pad"] = [f"s{i:07d}" for i in range(300)]
+    plain = pickle.dumps(doc, protocol=4)
+    got = _scanned(plain)
+    assert got is not None
+    _same(got, _python_path(plain))

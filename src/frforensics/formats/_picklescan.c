@@ -59,6 +59,10 @@
  * ~30 bytes per opcode; real dumps are a few MB). */
 #define MAX_SCAN_BYTES ((Py_ssize_t)256 << 20)
 #define MAX_DEPTH 64
+/* a lookup that probes this many slots gives way to the Python reader (its dicts'
+ * hash is randomized): tables stay at most half full, so only input crafted to
+ * collide gets here, and it must not cost a probe per string already seen */
+#define MAX_PROBES 128
 #define MAX_ENTRY_KEYS 128 /* PyTorch's entries have ~25 */
 #define NUMEL_LIMIT 4611686018427387904.0 /* 2**62, as the Python reader */
 
@@ -199,13 +203,27 @@ static void vec_free(Vec *v) {
 
 #define AT(vec, T, i) (((T *)(vec).p)[i])
 
+/* FNV-1a over 8-byte words, then the tail bytes, then a final mix (the hash only
+ * has to agree with itself within one scan). A byte at a time was a tenth of
+ * the scan: every string, frame and stack is hashed when first met. */
 static inline uint64_t hash_bytes(const void *p, Py_ssize_t n, uint64_t h) {
     const unsigned char *s = p;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, s + i, 8);
+        h ^= w;
+        h *= 1099511628211ULL;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++) {
         h ^= s[i];
         h *= 1099511628211ULL;
     }
-    return h;
+    h ^= (uint64_t)n;
+    h ^= h >> 32;
+    h *= 0x9E3779B97F4A7C15ULL;
+    return h ^ (h >> 29);
 }
 #define HASH_SEED 14695981039346656037ULL
 
@@ -276,7 +294,9 @@ static int intern(Scan *s, const char *p, Py_ssize_t n, int stable, int32_t *out
         return IRREGULAR; /* the Python reader cuts long strings */
     uint64_t h = hash_bytes(p, n, HASH_SEED);
     uint64_t i = h & s->stab.mask;
-    for (;;) {
+    for (int probes = 0;; probes++) {
+        if (probes == MAX_PROBES)
+            return IRREGULAR;
         int32_t id = s->stab.slot[i];
         if (id < 0)
             break;
@@ -843,7 +863,9 @@ static int read_frame(Scan *s, int32_t node, int32_t *fid) {
     h = hash_bytes(&name, sizeof name, h);
     h = hash_bytes(&line, sizeof line, h);
     uint64_t i = h & s->ftab.mask;
-    for (;;) {
+    for (int probes = 0;; probes++) {
+        if (probes == MAX_PROBES)
+            return IRREGULAR;
         int32_t id = s->ftab.slot[i];
         if (id < 0)
             break;
@@ -898,7 +920,9 @@ static int read_stack(Scan *s, int32_t node, int32_t *out) {
     Py_ssize_t k = s->fids.n;
     uint64_t h = hash_bytes(fids, k * (Py_ssize_t)sizeof(int32_t), HASH_SEED);
     uint64_t i = h & s->sttab.mask;
-    for (;;) {
+    for (int probes = 0;; probes++) {
+        if (probes == MAX_PROBES)
+            return IRREGULAR;
         int32_t id = s->sttab.slot[i];
         if (id < 0)
             break;
@@ -1071,6 +1095,11 @@ static int set_array(PyObject *dict, const char *name, const void *p, Py_ssize_t
     return rc < 0 ? ERR : OK;
 }
 
+static const int32_t NO_FIELDS[N_ENTRY_KEYS] = {
+    -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+};
+_Static_assert(N_ENTRY_KEYS == 19, "NO_FIELDS lists one -1 per entry key");
+
 static int read_entries(Scan *s, int32_t entries, PyObject *result) {
     Node *list = N(s, entries);
     if (list->tag != T_LIST)
@@ -1101,8 +1130,7 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
     for (int32_t l = list->head; l >= 0 && rc == OK; l = AT(s->links, Link, l).next, i++) {
         Node *e = N(s, AT(s->links, Link, l).node);
         int32_t f[N_ENTRY_KEYS];
-        for (int k = 0; k < N_ENTRY_KEYS; k++)
-            f[k] = -1;
+        memcpy(f, NO_FIELDS, sizeof f); /* all -1: a copy, not a `rep stos` per entry */
         if (e->tag != T_DICT || e->count > 2 * MAX_ENTRY_KEYS) {
             rc = IRREGULAR; /* not a record, or one with hundreds of keys */
             break;
