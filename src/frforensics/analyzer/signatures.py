@@ -209,13 +209,13 @@ def _uncut(job: JobModel, c: CollectiveRows,
     form as the oracle. ``op_hash``: the pass's getter of that column, if it has one
     (its concatenation is not made twice)."""
     n = len(c.ranks)
-    cut_able = np.zeros(n, dtype=np.bool_)
-    start = np.zeros(n, dtype=np.int64)
-    base = 0
-    for i, rank in enumerate(c.ranks):
-        d = job.digests[rank]
-        start[i], base = base, base + len(d)
-        cut_able[i] = not d.whole_oldest and job.window_evicted(rank)
+    digests = [job.digests[rank] for rank in c.ranks]
+    # (built in bulk: a loop storing into two arrays per rank was 0.7 s at 100,000 ranks)
+    lens = np.fromiter(map(len, digests), dtype=np.int64, count=n)
+    start = np.cumsum(lens) - lens
+    cut_able = np.fromiter((not d.whole_oldest and job.window_evicted(rank)
+                            for rank, d in zip(c.ranks, digests, strict=True)),
+                           dtype=np.bool_, count=n)
     rows = np.flatnonzero(cut_able[c.at]) if n else np.zeros(0, dtype=np.intp)
     if len(rows) == 0:
         return None
