@@ -363,46 +363,65 @@ class _Gathered:
             cat("peer_seq")[cand], op_all[cand], t_enqueue[cand], comp[cand], rel[cand])
         del done, cand
 
-        rows = np.flatnonzero((is_p2p == 0) & (gid >= 0) & (t_enqueue > 0))
+        # the collective rows; where that is every row (a job without p2p whose ops
+        # all started), the columns are taken as they are, not gathered (25 million
+        # rows at 100,000 ranks: each gather a copy of the column)
+        coll = (is_p2p == 0) & (gid >= 0) & (t_enqueue > 0)
         del is_p2p
-        seq = (seq_all if seq_all is not None else cat("seq"))[rows].astype(np.int64)
-        del seq_all
-        at_r, gid_r = at[rows], gid[rows]
+        every = bool(coll.all())
+        rows = np.arange(len(coll)) if every else np.flatnonzero(coll)
+        del coll
+        seq_src = seq_all if seq_all is not None else cat("seq")
+        seq = (seq_src if every else seq_src[rows]).astype(np.int64)
+        del seq_all, seq_src
+        at_r, gid_r = (at, gid) if every else (at[rows], gid[rows])
+        local_r = local if every else local[rows]
         key = gid_r.astype(np.int64) * self.max_seq + seq
-        col = col_cat[local[rows]]
+        col = col_cat[local_r]
         # first row of each (rank, key); ranks with a negative seq: keys of two
         # groups may collide there, so they are deduplicated as one (and the
         # dense numbering of collectives is off)
         neg = np.zeros(len(ranks), dtype=np.bool_)
         neg[at_r[seq < 0]] = True
         self.dense_ok = not neg.any()
-        first = _first_of_each(at_r, canon_cat[local[rows]], key)
-        del local, at, gid
+        first = _first_of_each(at_r, canon_cat[local_r], key)
+        del local, local_r, at, gid
         for a in np.flatnonzero(neg).tolist():
             mine = np.flatnonzero(at_r == a)
             first[mine] = _first_occurrence(key[mine])
             col[mine] = -1
         # seq range per group (over ranks without negative seqs), for dense numbering
-        ok = ~neg[at_r]
+        ok_gid, ok_seq = (gid_r, seq) if self.dense_ok else (gid_r[~neg[at_r]], seq[~neg[at_r]])
         n_groups = len(job.groups)
         lo = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
         hi = np.full(n_groups, np.iinfo(np.int64).min, dtype=np.int64)
-        np.minimum.at(lo, gid_r[ok], seq[ok])
-        np.maximum.at(hi, gid_r[ok], seq[ok])
+        np.minimum.at(lo, ok_gid, ok_seq)
+        np.maximum.at(hi, ok_gid, ok_seq)
+        del ok_gid, ok_seq
         present = np.flatnonzero(hi >= lo)
         self.lo = dict(zip(present.tolist(), lo[present].tolist(), strict=True))
         self.hi = dict(zip(present.tolist(), hi[present].tolist(), strict=True))
 
-        rows, at_r = rows[first], at_r[first]
-        dur, between, n_between = _durations_between(digests, sizes, rows, at_r, gid_r[first],
-                                                     key[first])
+        if bool(first.all()):  # no coalesced duplicates: nothing to drop
+            first_of = _same
+        else:
+            def first_of(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+                return a[first]
+            rows, at_r = rows[first], at_r[first]
+            every = False
+        key, gid_r, col = first_of(key), first_of(gid_r), first_of(col)
+
+        def row_of(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return a if every else a[rows]
+
+        dur, between, n_between = _durations_between(digests, sizes, rows, at_r, gid_r, key)
         per_rank = np.bincount(at_r, minlength=len(ranks))
         self.at_list: list[int] = np.flatnonzero(per_rank).tolist()
         self.lengths: list[int] = per_rank[self.at_list].tolist()
         self.cat = {
-            "key": key[first], "enq": t_enqueue[rows].astype(np.float64), "comp": comp[rows],
-            "rel": rel[rows], "op": op_all[rows], "gid": gid_r[first].astype(np.int32, copy=False),
-            "col": col[first], "dur": dur, "between": between, "n_between": n_between,
+            "key": key, "enq": row_of(t_enqueue).astype(np.float64), "comp": row_of(comp),
+            "rel": row_of(rel), "op": row_of(op_all), "gid": gid_r.astype(np.int32, copy=False),
+            "col": col, "dur": dur, "between": between, "n_between": n_between,
         }
         self.op_names: dict[int, str] = {}
         for a in self.at_list:
@@ -411,6 +430,10 @@ class _Gathered:
             for d in digests:
                 self.op_names.update({h: n for h, n in d.op_names.items()
                                       if h in (SEND_HASH, RECV_HASH)})
+
+
+def _same(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    return a
 
 
 def _cat(digests: list[RankDigest], name: str) -> npt.NDArray[Any]:
