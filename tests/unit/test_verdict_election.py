@@ -56,3 +56,27 @@ def test_lowest_voter_leads_and_exactly_one_rank_owns(seed):
     owners = [r for r, (_, owned) in results.items() if owned]
     assert len(owners) == 1, results
     assert int(master.get("frforensics/0/verdict/0/owner")) == owners[0]
+
+
+@pytest.mark.parametrize("reason", ["WATCHDOG_TIMEOUT", "PEER_SIGNAL"])
+def test_a_hang_dump_votes_before_it_is_counted(reason):
+    # a rank that sees every dump counted (``n`` = world) then reads ``leader``: had
+    # rank 0 been counted before voting, rank 1 could read itself there and lead
+    # (seen once in CI: a slow rank 0, ``test_hostile_store.py``)
+    import types
+
+    from frforensics.model import DumpReason
+
+    agent = VerdictAgent.__new__(VerdictAgent)
+    agent.lock, agent.incidents, agent.incident = threading.Lock(), {}, 0
+    agent.rec = types.SimpleNamespace(rank=0, store=object())
+    order: list[str] = []
+    agent._vote = lambda store, k, me: order.append(f"vote {k} {me}")
+    agent._publish = lambda inc, trace, path: order.append("counted") or True
+    agent._run_incident = lambda k: order.append(f"incident {k}")
+    agent._handle_dump(DumpReason[reason], None, None)
+    assert order == ["vote 0 0", "counted", "incident 0"]
+    # a dump that is not a hang's (on demand, at exit) casts no vote
+    order.clear()
+    agent._handle_dump(DumpReason.API, None, None)
+    assert order == ["counted"]

@@ -331,6 +331,14 @@ class VerdictAgent(threading.Thread):
         inc = self._incident(k)
         if inc.done.is_set():
             return
+        store, me = self._store(), self.rec.rank
+        if reason in _HANG and store is not None and me is not None:
+            # vote before the dump is counted: a rank that sees every dump counted
+            # then reads the lowest rank's vote (voting after, a slow rank 0 could
+            # be counted but not yet voted, and rank 1 elected); a store error here
+            # is the incident's to report (it votes again)
+            with contextlib.suppress(Exception):
+                self._vote(store, k, me)
         if not self._publish(inc, trace, path):
             if reason in _HANG:
                 self._no_verdict(inc, "the c10d store is unreachable (its host, rank 0's "
