@@ -391,7 +391,11 @@ class _Gathered:
             first[mine] = _first_occurrence(key[mine])
             col[mine] = -1
         # seq range per group (over ranks without negative seqs), for dense numbering
-        ok_gid, ok_seq = (gid_r, seq) if self.dense_ok else (gid_r[~neg[at_r]], seq[~neg[at_r]])
+        if self.dense_ok:
+            ok_gid, ok_seq = gid_r, seq
+        else:
+            ok = ~neg[at_r]
+            ok_gid, ok_seq = gid_r[ok], seq[ok]
         n_groups = len(job.groups)
         lo = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
         hi = np.full(n_groups, np.iinfo(np.int64).min, dtype=np.int64)
@@ -402,14 +406,9 @@ class _Gathered:
         self.lo = dict(zip(present.tolist(), lo[present].tolist(), strict=True))
         self.hi = dict(zip(present.tolist(), hi[present].tolist(), strict=True))
 
-        if bool(first.all()):  # no coalesced duplicates: nothing to drop
-            first_of = _same
-        else:
-            def first_of(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
-                return a[first]
-            rows, at_r = rows[first], at_r[first]
+        if not first.all():  # coalesced duplicates dropped (none: nothing to take)
+            rows, at_r, key, gid_r, col = rows[first], at_r[first], key[first], gid_r[first], col[first]
             every = False
-        key, gid_r, col = first_of(key), first_of(gid_r), first_of(col)
 
         def row_of(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
             return a if every else a[rows]
@@ -430,10 +429,6 @@ class _Gathered:
             for d in digests:
                 self.op_names.update({h: n for h, n in d.op_names.items()
                                       if h in (SEND_HASH, RECV_HASH)})
-
-
-def _same(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    return a
 
 
 def _cat(digests: list[RankDigest], name: str) -> npt.NDArray[Any]:
