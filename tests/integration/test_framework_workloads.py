@@ -39,17 +39,10 @@ _MODULES = {"lightning": "lightning", "hf_trainer": "transformers", "accelerate"
 #: corpus"). Lightning's exit/kill from PyTorch's dumps where every survivor's failed
 #: barrier was retired are named since the runner has the recorder save PyTorch's dumps
 #: with their stacks (FRFORENSICS_NATIVE_STACKS=1, as its own default dump) and the
-#: survivors are read as stopped inside one call (docs/detectors.md).
-WRONG_TODAY: dict[tuple[str, str, str], str] = {
-    ("lightning", "exit", "native"): (
-        "seen once (CI, 6 December, a slow VM): rank 1 exits after barrier #30; ranks 0, 2 "
-        "enter the next step's SIGTERM-flag broadcast #31 while rank 3, still inside "
-        "_sync_ddp between its barrier and its all_reduce, is terminated by torchrun first: "
-        "from PyTorch's dumps (no dump reason) rank 3 reads as never entering #31 and is "
-        "named (missing_rank) beside rank 1 (missing_dump); the code before this session "
-        "gives the same verdict on those dumps. Ours name rank 1 alone (dead_rank; each "
-        "survivor's dump says it was taken at a signal). docs/workloads.md"),
-}
+#: survivors are read as stopped inside one call (docs/detectors.md). Lightning's exit
+#: where a slower rank was terminated in the middle of _sync_ddp while the others went
+#: one op on (CI, 6 December) names rank 1 alone since consequences.torn_down_mid_call.
+WRONG_TODAY: dict[tuple[str, str, str], str] = {}
 
 
 def _params() -> list[Any]:

@@ -208,3 +208,59 @@ def test_a_finished_job_with_a_file_missing_is_not_read_as_stopped_in_a_call(
                 (keep / p.name).write_bytes(p.read_bytes())
         report = analyze(load_dumps([keep]), options=AnalyzeOptions(world_size=4))
         assert not any("stopped_in_call" in f.evidence for f in report.findings)
+
+
+def _raced(out: Path, like_seq: int, *, stacks: bool = True, rank_1: bool = False) -> Report:
+    """``lightning_stacks/exit`` as CI saw it once (6 December): ranks 0, 2 went on to
+    collective #31 (a copy of their #``like_seq``, unretired) while rank 3, slower, was
+    terminated in ``_sync_ddp`` between barrier #30 and its all_reduce. ``stacks=False``
+    strips every frame; ``rank_1=True`` gives rank 1 a dump too, rank 0's as rank 1's."""
+    import copy
+    import pickle
+
+    from frforensics.formats.native import decode_pickle
+
+    out.mkdir()
+    for p in sorted((DATA / "lightning_stacks" / "exit").iterdir()):
+        doc = decode_pickle(p.read_bytes())
+        entries = doc["entries"]
+        rank = int(p.name.rsplit("_", 1)[1])
+        if rank in (0, 2):
+            e = copy.deepcopy(next(e for e in entries if e["collective_seq_id"] == like_seq))
+            e.update(collective_seq_id=31, op_id=31, record_id=entries[-1]["record_id"] + 1,
+                     retired=False, time_created_ns=entries[-1]["time_created_ns"] + 3_000_000)
+            entries.append(e)
+            doc["pg_status"]["0"]["last_enqueued_collective"] = 31
+        if not stacks:
+            for e in entries:
+                e["frames"] = []
+        (out / p.name).write_bytes(pickle.dumps(doc))
+        if rank == 0 and rank_1:
+            doc["rank"] = 1
+            (out / "nccl_trace_rank_1").write_bytes(pickle.dumps(doc))
+    return analyze(load_dumps([out], jobs=1), options=AnalyzeOptions(world_size=4))
+
+
+@pytest.mark.parametrize(("like_seq", "op"), [(27, "all_reduce"), (29, "broadcast")])
+def test_a_rank_torn_down_between_two_ops_of_one_call_is_not_named_beside_the_dead_one(
+        tmp_path: Path, like_seq: int, op: str) -> None:
+    # rank 3 never entered #31, but it is one op behind, mid-call (_sync_ddp:213, which
+    # always went on to :214), and ranks 0, 2 wait in #31 for rank 1 too, which left no
+    # dump: the teardown after rank 1's death caught it there (consequences.py)
+    report = _raced(tmp_path / "race", like_seq)
+    assert report.culprit_ranks == (1,), [f.message for f in report.findings]
+    [f] = [f for f in report.findings if f.severity.value == "error"]
+    assert f.kind is FindingKind.MISSING_DUMP and (f.op, f.seq) == (op, 31)
+    assert any(n.startswith("rank(s) 3 not named: one op behind") for n in report.notes)
+
+
+@pytest.mark.parametrize(("stacks", "rank_1"), [(False, False), (True, True)])
+def test_a_rank_stopped_mid_call_is_named_without_a_death_or_without_its_call(
+        tmp_path: Path, stacks: bool, rank_1: bool) -> None:
+    # no stacks to show it stopped mid-call, or no member that left no dump (every
+    # other rank waits in #31 for it alone): nothing says a teardown caught it there
+    report = _raced(tmp_path / "race", 27, stacks=stacks, rank_1=rank_1)
+    assert report.culprit_ranks == ((3,) if rank_1 else (3, 1)), [
+        f.message for f in report.findings]
+    assert any(f.kind is FindingKind.MISSING_RANK and f.culprit_ranks == (3,)
+               for f in report.findings)

@@ -9,12 +9,16 @@ between findings, and is decided here, in this order:
 1. :func:`explained_by_desync` — a hang in a group at or after a seq where its
    members desynced is the desync's consequence (later collectives pair up the
    wrong calls), not another culprit;
-2. :func:`hidden_p2p_roots` — a rank that may only be blocked in a send/recv the
+2. :func:`torn_down_mid_call` — a rank that never entered the op its peers wait in,
+   beside a member that left no dump, while it was one op behind, in the middle of a
+   call that always went on to another op, was caught there when the job was torn
+   down after that member's death: a note, not a second culprit;
+3. :func:`hidden_p2p_roots` — a rank that may only be blocked in a send/recv the
    dumps do not show (PyTorch's gloo recorder) is never named beside a certain
    culprit, and alone it is a candidate, not a culprit;
-3. :func:`stragglers_beside_errors` — a straggler beside a hang or desync is a note:
+4. :func:`stragglers_beside_errors` — a straggler beside a hang or desync is a note:
    around a fault the ranks' arrival times say more about the fault than a GPU;
-4. :func:`unread_not_culprits` — a rank whose dump was there but not read in time
+5. :func:`unread_not_culprits` — a rank whose dump was there but not read in time
    (``fr-analyze --deadline``) is never a culprit: that it "left no dump" is the
    deadline's doing. A finding that named only such ranks becomes a warning.
 
@@ -28,10 +32,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from frforensics.analyzer.context import Context
+from frforensics.model import OpState
 from frforensics.report import Finding, FindingKind, Severity
 
 __all__ = ["culprits_of", "explained_by_desync", "hidden_p2p_roots", "settle",
-           "stragglers_beside_errors"]
+           "stragglers_beside_errors", "torn_down_mid_call"]
 
 
 def settle(ctx: Context, findings: list[Finding], *,
@@ -39,9 +44,10 @@ def settle(ctx: Context, findings: list[Finding], *,
     """The findings less the consequences of others, and the notes they became;
     ``unread``: ranks whose dumps were not read before a deadline."""
     findings = explained_by_desync(findings)
+    findings, torn = torn_down_mid_call(ctx, findings)
     findings = hidden_p2p_roots(ctx, findings)
     findings, notes = stragglers_beside_errors(findings)
-    return unread_not_culprits(ctx, findings, unread), notes
+    return unread_not_culprits(ctx, findings, unread), torn + notes
 
 
 def unread_not_culprits(ctx: Context, findings: list[Finding],
@@ -92,6 +98,80 @@ def explained_by_desync(findings: list[Finding]) -> list[Finding]:
             continue
         kept.append(f)
     return kept
+
+
+def torn_down_mid_call(ctx: Context, findings: list[Finding]
+                       ) -> tuple[list[Finding], list[str]]:
+    """Never name a rank the launcher's teardown caught between two ops of one call.
+
+    A ``missing_rank`` culprit R is dropped (a note says why) when all of these hold:
+
+    * the ranks waiting in the op R never entered (collective ``s`` of group G) also
+      wait there for a member that left no dump and is named for it (``missing_dump``
+      or ``dead_rank``): a death, which makes the launcher terminate every other rank
+      (torchrun: SIGTERM to the whole group as soon as one worker exits);
+    * R's newest op is G's collective ``s - 1``, finished: it was one op behind, not
+      stuck anywhere the others were not;
+    * R stopped inside a call that each earlier time went on to another op
+      (``digest.stopped_in_call``: PyTorch's dumps with stacks, ours): it was between
+      two ops a library issues back to back, where a running program spends
+      microseconds — the place a SIGTERM lands on a slower rank, not one it hangs in.
+
+    Measured (CI, 6 December): Lightning, rank 1 exits after barrier #30; ranks 0, 2
+    enter #31 while rank 3, still in ``_sync_ddp`` between its barrier (line 213) and
+    its all_reduce (214), is terminated by torchrun; PyTorch's dumps (no dump reason)
+    named rank 3 beside rank 1. A rank stuck in its own code between two ops of one
+    call while, independently, a member died without a dump would be missed: two
+    faults at once, where naming a healthy rank on a teardown's timing is the
+    likelier error. Ours carry their dump reason (``dead_rank`` settles it there).
+    """
+    lost = {r for f in findings
+            if f.severity is Severity.ERROR
+            and f.kind in (FindingKind.MISSING_DUMP, FindingKind.DEAD_RANK)
+            for r in f.culprit_ranks if r not in ctx.job.digests}
+    if not lost:
+        return findings, []
+    kept: list[Finding] = []
+    notes: list[str] = []
+    for f in findings:
+        torn = _torn_down(ctx, f, lost)
+        if not torn:
+            kept.append(f)
+            continue
+        left = tuple(r for r in f.culprit_ranks if r not in torn)
+        note = (f"rank(s) {ctx.ranks(torn)} not named: one op behind, stopped inside a call "
+                "that always went on to another op, while the ranks waiting for them also "
+                f"wait for rank(s) {ctx.ranks(sorted(lost))}, which left no dump: most "
+                "likely terminated there when the job was torn down after that death")
+        notes.append(f"{note} ({f.kind.value}: {f.message})")
+        if left:
+            kept.append(replace(f, culprit_ranks=left, message=f"{note}; {f.message}",
+                                evidence={**f.evidence, "torn_down": torn}))
+    return kept, notes
+
+
+def _torn_down(ctx: Context, f: Finding, lost: set[int]) -> list[int]:
+    """The culprits of ``f``, a ``missing_rank``, that :func:`torn_down_mid_call` drops."""
+    if (f.kind is not FindingKind.MISSING_RANK or f.seq_kind != "collective" or f.seq is None
+            or f.evidence.get("basis") is not None):
+        return []
+    waits = [ctx.graph.waits[w] for w in f.evidence.get("direct_waiters", ())
+             if w in ctx.graph.waits]
+    waits = [w for w in waits if w.seq == f.seq and w.seq_kind == "collective"]
+    if not waits or not any(lost.intersection(w.on) for w in waits):
+        return []
+    gid = waits[0].gid
+    torn = []
+    for rank in f.culprit_ranks:
+        d = ctx.job.digests.get(rank)
+        if d is None or d.stopped_in_call is None or len(d) == 0:
+            continue
+        row = len(d) - 1
+        if (int(d.is_p2p[row]) == 0 and ctx.job.group_of.get((rank, int(d.group[row]))) == gid
+                and int(d.seq[row]) == f.seq - 1
+                and int(d.state[d.unit_of(row)]) == OpState.COMPLETED):
+            torn.append(rank)
+    return torn
 
 
 def hidden_p2p_roots(ctx: Context, findings: list[Finding]) -> list[Finding]:
