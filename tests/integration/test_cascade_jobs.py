@@ -9,6 +9,8 @@ peer" (gloo/transport/tcp/pair.cc). Before the classifier, those peers were
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch215]
@@ -151,7 +153,14 @@ def test_with_pytorchs_own_dumps_the_missing_rank_is_named_where_the_others_stop
         run_job, fr_analyze, how, outcomes):
     job = run_job(NATIVE.replace("{how}", how), world_size=4, enable=False, gloo_timeout_s=20.0,
                   hard_exit_s=60.0, env={"TORCH_FR_BUFFER_SIZE": "2000"})
-    job.wait(60)
+    # the survivors dump at 6 s (the timer) or on their error; a frozen rank 1 never
+    # exits, so wait for the three files, not for the job (60 s of CI time)
+    deadline = time.monotonic() + 60
+    while (time.monotonic() < deadline
+           and len([p for p in job.dump_dir.glob("nccl_trace_rank_*")
+                    if not p.name.endswith(".tmp")]) < 3):
+        time.sleep(0.1)
+    job.wait(1.0)
     job.kill()
     dumps = sorted(p.name for p in job.dump_dir.iterdir())
     assert dumps == [f"nccl_trace_rank_{r}" for r in (0, 2, 3)], job.logs()
