@@ -181,6 +181,7 @@ def _assert_healed(params: dict[int, Any], reference: dict[int, Any],
             (m, (params[m] - ref).abs().max().item())
 
 
+@pytest.mark.native_rerun
 @pytest.mark.parametrize("fault", ["kill", "stop"])
 def test_a_standby_takes_the_lost_ranks_place_with_its_state_and_the_run_ends_where_a_fault_free_run_ends(
         tmp_path: Path, fault_free: dict[int, Any], fault: str) -> None:
@@ -234,6 +235,7 @@ def test_a_standby_whose_model_differs_never_trains_and_the_job_fails_with_why(
     assert code != 0
 
 
+@pytest.mark.native_rerun
 def test_a_slow_gpu_excluded_by_the_live_rule_hands_its_place_and_state_to_a_standby(
         tmp_path: Path) -> None:
     import torch
@@ -252,6 +254,7 @@ def test_a_slow_gpu_excluded_by_the_live_rule_hands_its_place_and_state_to_a_sta
     assert all(torch.equal(reference[m], reference[0]) for m in (1, 2, 3))
 
 
+@pytest.mark.native_rerun
 def test_two_agents_heal_a_rank_lost_on_the_second_node_with_its_state(
         tmp_path: Path, fault_free: dict[int, Any]) -> None:
     import subprocess
@@ -304,8 +307,8 @@ def hsdp_fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
     return params
 
 
-@pytest.mark.parametrize(("fault", "lost", "peer"), [("kill", 3, 1), ("stop", 3, 1),
-                                                     ("kill", 1, 3)])
+@pytest.mark.parametrize(("fault", "lost", "peer"), [
+    pytest.param("kill", 3, 1, marks=pytest.mark.native_rerun), ("stop", 3, 1), ("kill", 1, 3)])
 def test_hsdp_a_standby_takes_the_lost_ranks_place_in_the_mesh_with_its_shard_from_the_replica(
         tmp_path: Path, hsdp_fault_free: dict[int, Any], fault: str, lost: int,
         peer: int) -> None:

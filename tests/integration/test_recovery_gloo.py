@@ -198,7 +198,7 @@ def _assert_recorder_split_the_group(job: Any) -> None:
     assert any("members [0, 1, 2, 3] -> [0, 1, 3] (now 0@r2)" in n for n in trace.notes)
 
 
-@pytest.mark.parametrize("source", ["job", "dir"])
+@pytest.mark.parametrize("source", [pytest.param("job", marks=pytest.mark.native_rerun), "dir"])
 def test_frozen_rank_is_excluded_and_the_other_three_train_on(run_job: Any, source: str) -> None:
     job = _start(run_job, "stop", source=source)
     try:
@@ -214,6 +214,7 @@ def test_frozen_rank_is_excluded_and_the_other_three_train_on(run_job: Any, sour
     assert job.wait(30)[0] == 0
 
 
+@pytest.mark.native_rerun
 def test_killed_rank_is_excluded_and_the_other_three_train_on(run_job: Any) -> None:
     job = _start(run_job, "kill")
     try:
@@ -224,6 +225,7 @@ def test_killed_rank_is_excluded_and_the_other_three_train_on(run_job: Any) -> N
         _release(job)
 
 
+@pytest.mark.native_rerun
 def test_standby_joins_and_the_world_stays_four(run_job: Any) -> None:
     job = _start(run_job, "spare", world_size=5, spares=1)
     try:
@@ -244,6 +246,7 @@ def test_standby_joins_and_the_world_stays_four(run_job: Any) -> None:
         _release(job)
 
 
+@pytest.mark.native_rerun
 def test_subgroup_with_the_culprit_is_reformed_and_the_other_keeps_working(
         run_job: Any) -> None:
     job = _start(run_job, "subgroup")
@@ -292,6 +295,7 @@ def test_second_rank_dying_during_recovery_fails_bounded_with_the_verdicts(
         _release(job)
 
 
+@pytest.mark.native_rerun
 def test_a_second_hang_after_recovery_is_recovered_from_too(run_job: Any) -> None:
     job = _start(run_job, "twice")
     try:
