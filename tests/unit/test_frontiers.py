@@ -210,11 +210,13 @@ def test_a_finished_job_with_a_file_missing_is_not_read_as_stopped_in_a_call(
         assert not any("stopped_in_call" in f.evidence for f in report.findings)
 
 
-def _raced(out: Path, like_seq: int, *, stacks: bool = True, rank_1: bool = False) -> Report:
+def _raced(out: Path, like_seq: int, *, stacks: bool = True, rank_1: bool = False,
+           unread: tuple[int, ...] = ()) -> Report:
     """``lightning_stacks/exit`` as CI saw it once (6 December): ranks 0, 2 went on to
     collective #31 (a copy of their #``like_seq``, unretired) while rank 3, slower, was
     terminated in ``_sync_ddp`` between barrier #30 and its all_reduce. ``stacks=False``
-    strips every frame; ``rank_1=True`` gives rank 1 a dump too, rank 0's as rank 1's."""
+    strips every frame; ``rank_1=True`` gives rank 1 a dump too, rank 0's as rank 1's;
+    ``unread``: ranks whose files a deadline left unread (``DumpSet.unread_ranks``)."""
     import copy
     import pickle
 
@@ -238,7 +240,9 @@ def _raced(out: Path, like_seq: int, *, stacks: bool = True, rank_1: bool = Fals
         if rank == 0 and rank_1:
             doc["rank"] = 1
             (out / "nccl_trace_rank_1").write_bytes(pickle.dumps(doc))
-    return analyze(load_dumps([out], jobs=1), options=AnalyzeOptions(world_size=4))
+    dumps = load_dumps([out], jobs=1)
+    dumps.unread_ranks = list(unread)
+    return analyze(dumps, options=AnalyzeOptions(world_size=4))
 
 
 @pytest.mark.parametrize(("like_seq", "op"), [(27, "all_reduce"), (29, "broadcast")])
@@ -264,3 +268,11 @@ def test_a_rank_stopped_mid_call_is_named_without_a_death_or_without_its_call(
         f.message for f in report.findings]
     assert any(f.kind is FindingKind.MISSING_RANK and f.culprit_ranks == (3,)
                for f in report.findings)
+
+
+def test_a_rank_whose_file_a_deadline_left_unread_is_no_death_to_excuse_another(
+        tmp_path: Path) -> None:
+    # rank 1's file was there but not read in time (fr-analyze --deadline): it is no
+    # death, so rank 3, stopped mid-call, is named; rank 1 is never a culprit
+    report = _raced(tmp_path / "race", 27, unread=(1,))
+    assert report.culprit_ranks == (3,), [f.message for f in report.findings]

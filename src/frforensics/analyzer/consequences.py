@@ -44,7 +44,7 @@ def settle(ctx: Context, findings: list[Finding], *,
     """The findings less the consequences of others, and the notes they became;
     ``unread``: ranks whose dumps were not read before a deadline."""
     findings = explained_by_desync(findings)
-    findings, torn = torn_down_mid_call(ctx, findings)
+    findings, torn = torn_down_mid_call(ctx, findings, unread)
     findings = hidden_p2p_roots(ctx, findings)
     findings, notes = stragglers_beside_errors(findings)
     return unread_not_culprits(ctx, findings, unread), torn + notes
@@ -100,7 +100,7 @@ def explained_by_desync(findings: list[Finding]) -> list[Finding]:
     return kept
 
 
-def torn_down_mid_call(ctx: Context, findings: list[Finding]
+def torn_down_mid_call(ctx: Context, findings: list[Finding], unread: Sequence[int] = ()
                        ) -> tuple[list[Finding], list[str]]:
     """Never name a rank the launcher's teardown caught between two ops of one call.
 
@@ -124,11 +124,14 @@ def torn_down_mid_call(ctx: Context, findings: list[Finding]
     call while, independently, a member died without a dump would be missed: two
     faults at once, where naming a healthy rank on a teardown's timing is the
     likelier error. Ours carry their dump reason (``dead_rank`` settles it there).
+    A rank whose dump was there but not read before a deadline (``unread``) is no
+    death: it never counts as the member that left no dump.
     """
+    skip = set(unread)
     lost = {r for f in findings
             if f.severity is Severity.ERROR
             and f.kind in (FindingKind.MISSING_DUMP, FindingKind.DEAD_RANK)
-            for r in f.culprit_ranks if r not in ctx.job.digests}
+            for r in f.culprit_ranks if r not in ctx.job.digests and r not in skip}
     if not lost:
         return findings, []
     kept: list[Finding] = []
