@@ -137,14 +137,14 @@ def torn_down_mid_call(ctx: Context, findings: list[Finding], unread: Sequence[i
     kept: list[Finding] = []
     notes: list[str] = []
     for f in findings:
-        torn = _torn_down(ctx, f, lost)
+        torn, dead = _torn_down(ctx, f, lost)
         if not torn:
             kept.append(f)
             continue
         left = tuple(r for r in f.culprit_ranks if r not in torn)
         note = (f"rank(s) {ctx.ranks(torn)} not named: one op behind, stopped inside a call "
                 "that always went on to another op, while the ranks waiting for them also "
-                f"wait for rank(s) {ctx.ranks(sorted(lost))}, which left no dump: most "
+                f"wait for rank(s) {ctx.ranks(dead)}, which left no dump: most "
                 "likely terminated there when the job was torn down after that death")
         notes.append(f"{note} ({f.kind.value}: {f.message})")
         if left:
@@ -153,16 +153,18 @@ def torn_down_mid_call(ctx: Context, findings: list[Finding], unread: Sequence[i
     return kept, notes
 
 
-def _torn_down(ctx: Context, f: Finding, lost: set[int]) -> list[int]:
-    """The culprits of ``f``, a ``missing_rank``, that :func:`torn_down_mid_call` drops."""
+def _torn_down(ctx: Context, f: Finding, lost: set[int]) -> tuple[list[int], list[int]]:
+    """The culprits of ``f``, a ``missing_rank``, that :func:`torn_down_mid_call` drops,
+    and the ranks of ``lost`` its waiters wait for there."""
     if (f.kind is not FindingKind.MISSING_RANK or f.seq_kind != "collective" or f.seq is None
             or f.evidence.get("basis") is not None):
-        return []
+        return [], []
     waits = [ctx.graph.waits[w] for w in f.evidence.get("direct_waiters", ())
              if w in ctx.graph.waits]
     waits = [w for w in waits if w.seq == f.seq and w.seq_kind == "collective"]
-    if not waits or not any(lost.intersection(w.on) for w in waits):
-        return []
+    dead = sorted(lost.intersection(r for w in waits for r in w.on))
+    if not waits or not dead:
+        return [], []
     gid = waits[0].gid
     torn = []
     for rank in f.culprit_ranks:
@@ -174,7 +176,7 @@ def _torn_down(ctx: Context, f: Finding, lost: set[int]) -> list[int]:
                 and int(d.seq[row]) == f.seq - 1
                 and int(d.state[d.unit_of(row)]) == OpState.COMPLETED):
             torn.append(rank)
-    return torn
+    return torn, dead
 
 
 def hidden_p2p_roots(ctx: Context, findings: list[Finding]) -> list[Finding]:
