@@ -24,8 +24,9 @@ its block's state (itself when not coalesced).
 from __future__ import annotations
 
 import functools
+import operator
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, Final, NamedTuple
 
@@ -43,7 +44,7 @@ from frforensics.model import (
     user_frame,
 )
 
-__all__ = ["DTYPE_UNCHECKED", "ROOTED_OPS", "SIZE_FROM_OUTPUT", "EntryDetail", "RankDigest", "coalesced_units", "compact",
+__all__ = ["DTYPE_UNCHECKED", "ROOTED_OPS", "SIZE_FROM_OUTPUT", "DetailTable", "Details", "EntryDetail", "RankDigest", "coalesced_units", "compact",
            "compared_dtypes", "compared_side", "digest", "str_hash", "user_frame", "windowed"]
 
 DEFAULT_TAIL: Final = 32
@@ -148,6 +149,150 @@ class EntryDetail(NamedTuple):
     location: str | None = None
 
 
+#: EntryDetail's fields in a :class:`DetailTable` cell row: ints as they are, texts
+#: (``"t"``) as indices into the table's texts, ``location`` (``"l"``) the same or -1
+#: for None, ``frames`` (``"f"``) an index into its stacks, ``is_p2p`` (``"b"``) 0/1,
+#: ``state`` (``"s"``) the OpState's value
+_CELL_KINDS: Final = ("i", "i", "i", "i", "i", "i", "t", "b", "i", "i", "t", "t", "t", "t", "t",
+                      "s", "i", "i", "i", "i", "t", "f", "l")
+_INT64_MIN: Final = -(1 << 63)
+_INT64_MAX: Final = (1 << 63) - 1
+
+
+class DetailTable:
+    """The kept entries (:class:`EntryDetail`) of a batch of digests as one int64
+    array, a row per entry, with the batch's distinct texts and stacks beside it.
+
+    Why: the main process receives every rank's digest, and at 100,000 ranks the
+    details were 3.2 million named tuples, two thirds of the time to unpickle a
+    digest (93 us a rank with them, 31 without: ``docs/performance.md``). A table
+    unpickles as one buffer and a few lists; each rank's :class:`Details` reads its
+    rows only when an analysis asks (the blocked op of a waiting rank, the
+    timeline's few ranks, a culprit's last ops).
+    """
+
+    __slots__ = ("cells", "stacks", "texts")
+
+    def __init__(self, cells: I8, texts: list[str], stacks: list[tuple[Frame, ...]]) -> None:
+        self.cells = cells
+        self.texts = texts
+        self.stacks = stacks
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DetailTable, (self.cells, self.texts, self.stacks))
+
+    def entry(self, values: list[int]) -> EntryDetail:
+        """The :class:`EntryDetail` of one cell row (as a list of ints)."""
+        t, (row, rid, grp, sq, p2p_seq, peer_seq, op, p2p, peer, root, ins, outs, ind, outd,
+            red, state, t_enq, t_start, t_comp, tmo, thread, frames, loc) = self.texts, values
+        return _new_detail((row, rid, grp, sq, p2p_seq, peer_seq, t[op], bool(p2p), peer, root,
+                            t[ins], t[outs], t[ind], t[outd], t[red], OpState(state), t_enq,
+                            t_start, t_comp, tmo, t[thread], self.stacks[frames],
+                            None if loc < 0 else t[loc]))
+
+    @classmethod
+    def build(cls, ranks: Iterable[Mapping[int, EntryDetail]],
+              stack: Callable[[tuple[Frame, ...]], tuple[Frame, ...]] | None = None,
+              ) -> list[Details] | None:
+        """One :class:`Details` per mapping of ``ranks``, over one shared table;
+        ``stack`` maps each entry's stack to its canonical one (equal stacks stored
+        once). ``None`` where the entries do not fit one (rows not ascending, a row
+        that is not its entry's, an int outside int64): the caller keeps the mappings."""
+        texts: dict[str, int] = {}
+        stacks: dict[int, int] = {}
+        stack_list: list[tuple[Frame, ...]] = []
+        text = texts.setdefault
+        rows_out: list[tuple[int, ...]] = []
+        bounds: list[tuple[int, int]] = []
+        for details in ranks:
+            lo, last = len(rows_out), None
+            for row, e in details.items():
+                if (last is not None and row <= last) or e.row != row:
+                    return None
+                last = row
+                frames = e.frames if stack is None else stack(e.frames)
+                at = stacks.get(id(frames))
+                if at is None:
+                    at = stacks[id(frames)] = len(stack_list)
+                    stack_list.append(frames)
+                loc = -1 if e.location is None else text(e.location, len(texts))
+                rows_out.append((
+                    row, e.record_id, e.group, e.seq, e.p2p_seq, e.peer_seq,
+                    text(e.op, len(texts)), int(e.is_p2p), e.peer, e.root,
+                    text(e.in_shapes, len(texts)), text(e.out_shapes, len(texts)),
+                    text(e.in_dtypes, len(texts)), text(e.out_dtypes, len(texts)),
+                    text(e.reduce_op, len(texts)), int(e.state), e.t_enqueue_ns, e.t_start_ns,
+                    e.t_complete_ns, e.timeout_ms, text(e.thread, len(texts)), at, loc))
+            bounds.append((lo, len(rows_out)))
+        try:
+            cells = np.array(rows_out, dtype=np.int64).reshape(len(rows_out), len(_CELL_KINDS))
+        except (OverflowError, TypeError, ValueError):
+            return None
+        table = cls(cells, list(texts), stack_list)
+        return [Details(table, lo, hi) for lo, hi in bounds]
+
+
+class Details(Mapping[int, EntryDetail]):
+    """One rank's kept entries, row -> :class:`EntryDetail`, read from a batch's
+    :class:`DetailTable` when asked: ``get`` and ``in`` build one entry; iterating
+    keys builds none; ``[]`` and ``items``/``values`` build the rank's whole dict once."""
+
+    __slots__ = ("_dict", "_hi", "_lo", "_table")
+
+    def __init__(self, table: DetailTable, lo: int, hi: int) -> None:
+        self._table = table
+        self._lo = lo
+        self._hi = hi
+        self._dict: dict[int, EntryDetail] | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the table is one object in a batch's pickle: stored once for its ranks
+        return (Details, (self._table, self._lo, self._hi))
+
+    def _rows(self) -> I8:
+        return self._table.cells[self._lo:self._hi, 0]
+
+    def _at(self, row: object) -> int:
+        """The table row holding entry ``row``, -1 if none."""
+        try:
+            row = operator.index(row)  # type: ignore[arg-type]
+        except TypeError:
+            return -1
+        if not _INT64_MIN <= row <= _INT64_MAX:
+            return -1
+        rows = self._rows()
+        i = int(np.searchsorted(rows, row))
+        return self._lo + i if i < len(rows) and int(rows[i]) == row else -1
+
+    def whole(self) -> dict[int, EntryDetail]:
+        if self._dict is None:
+            entry = self._table.entry
+            self._dict = {values[0]: entry(values)
+                          for values in self._table.cells[self._lo:self._hi].tolist()}
+        return self._dict
+
+    def __getitem__(self, row: int) -> EntryDetail:
+        return self.whole()[row]
+
+    def get(self, row: int, default: Any = None) -> Any:
+        if self._dict is not None:
+            return self._dict.get(row, default)
+        at = self._at(row)
+        return default if at < 0 else self._table.entry(self._table.cells[at].tolist())
+
+    def __contains__(self, row: object) -> bool:
+        return row in self._dict if self._dict is not None else self._at(row) >= 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._rows().tolist())
+
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    def __repr__(self) -> str:
+        return f"Details({self.whole()!r})"
+
+
 I8 = npt.NDArray[np.int64]
 I4 = npt.NDArray[np.int32]
 U4 = npt.NDArray[np.uint32]
@@ -184,7 +329,7 @@ class RankDigest(HeaderFields):
     timeout_ms: I8
     first_record_id: int
     op_names: dict[int, str]
-    details: dict[int, EntryDetail]
+    details: Mapping[int, EntryDetail]
     # call site of every entry: stable hash of its whole stack (0: no frames), and
     # the hash -> user frame ("file:line in function") table; ``numel`` is the input numel of
     # every entry (p2p included), for pairing sends with recvs
@@ -254,7 +399,8 @@ class RankDigest(HeaderFields):
                 offset += len(data) + pad
                 values[i] = None
         details = values[_DETAILS_AT]
-        values[_DETAILS_AT] = (tuple(details), tuple(tuple(e) for e in details.values()))
+        if not isinstance(details, Details):  # a Details pickles as its batch's table
+            values[_DETAILS_AT] = (tuple(details), tuple(tuple(e) for e in details.values()))
         return (_rebuild_digest, (tuple(values), tuple(layout), b"".join(chunks)))
 
     @property
@@ -325,8 +471,9 @@ def _rebuild_digest(values: tuple[Any, ...], layout: tuple[tuple[int, str, int, 
             out[i] = one
         else:
             out[i] = np.frombuffer(buf, dtype, count, offset)
-    rows, details = out[_DETAILS_AT]
-    out[_DETAILS_AT] = dict(zip(rows, map(_new_detail, details), strict=True))
+    if not isinstance(out[_DETAILS_AT], Details):
+        rows, details = out[_DETAILS_AT]
+        out[_DETAILS_AT] = dict(zip(rows, map(_new_detail, details), strict=True))
     return RankDigest(*out)
 
 

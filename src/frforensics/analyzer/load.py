@@ -38,7 +38,7 @@ from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from frforensics._gc import gc_paused
-from frforensics.analyzer.digest import DEFAULT_TAIL, EntryDetail, RankDigest, digest
+from frforensics.analyzer.digest import DEFAULT_TAIL, DetailTable, EntryDetail, RankDigest, digest
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.formats.sources import (
     DumpSource,
@@ -177,10 +177,23 @@ def _share_groups(items: list[RankDigest | LoadProblem]) -> list[RankDigest | Lo
             header = item.header
             if header.threads:
                 header = replace(header, threads=share.threads(header.threads))
-            item = replace(item, groups=groups, details=share.details(item.details),
-                           header=header, sites=share.table(item.sites),
+            item = replace(item, groups=groups, header=header, sites=share.table(item.sites),
                            op_names=share.table(item.op_names) or {})
         out.append(item)
+    # the kept entries of the batch as one table (``DetailTable``): the main process
+    # unpickles a buffer, not ~32 named tuples a rank, and builds a rank's only when
+    # an analysis reads them
+    digests = [i for i, item in enumerate(out) if isinstance(item, RankDigest)]
+    tables = DetailTable.build([out[i].details for i in digests],  # type: ignore[union-attr]
+                               stack=share.stack)
+    if tables is None:  # entries a table cannot hold: shared as tuples instead
+        for i in digests:
+            d = out[i]
+            assert isinstance(d, RankDigest)
+            out[i] = replace(d, details=share.details(d.details))
+        return out
+    for i, details in zip(digests, tables, strict=True):
+        out[i] = replace(out[i], details=details)  # type: ignore[arg-type]
     return out
 
 
@@ -209,7 +222,7 @@ class _Sharer:
         self._by_id[id(frames)] = (frames, canon)
         return canon
 
-    def details(self, details: dict[int, EntryDetail]) -> dict[int, EntryDetail]:
+    def details(self, details: Mapping[int, EntryDetail]) -> dict[int, EntryDetail]:
         t, stack, new = self._texts.setdefault, self.stack, tuple.__new__
         out: dict[int, EntryDetail] = {}
         for row, e in details.items():

@@ -54,14 +54,14 @@ from __future__ import annotations
 import dataclasses
 import lzma
 import zlib
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from frforensics.analyzer.digest import EntryDetail, RankDigest, compact
+from frforensics.analyzer.digest import Details, DetailTable, EntryDetail, RankDigest, compact
 from frforensics.errors import FrForensicsError
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
@@ -528,7 +528,7 @@ def _loads(data: bytes | bytearray, ext: Any | None) -> Any:
 _DETAIL_FIELDS: Final = EntryDetail._fields
 
 
-def _pack_details(all_details: Sequence[dict[int, EntryDetail]], t: _Tables, blob: _Blob,
+def _pack_details(all_details: Sequence[Mapping[int, EntryDetail]], t: _Tables, blob: _Blob,
                   bases: Sequence[int]) -> list[Any]:
     """The batch's kept entry details as one int64 matrix (a row per field), strings and
     stacks as table indices.
@@ -568,7 +568,7 @@ def _pack_details(all_details: Sequence[dict[int, EntryDetail]], t: _Tables, blo
 
 def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
                     stacks: list[tuple[Frame, ...]],
-                    bases: Sequence[int]) -> list[dict[int, EntryDetail]]:
+                    bases: Sequence[int]) -> Sequence[Mapping[int, EntryDetail]]:
     counts, names, kinds, off, ln = spec
     if tuple(names) != _DETAIL_FIELDS or len(kinds) != len(names) or len(counts) != len(bases):
         raise WireError("entry details from another version of frforensics")
@@ -582,6 +582,9 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
         return [{} for _ in counts]
     matrix = _unshuffle(blob[off:off + ln], _I8, (len(names) + 1) * n).reshape(-1, n)
     shift = np.repeat(np.asarray(bases, dtype=np.int64), counts)
+    table = _detail_table(matrix, counts, shift, strings, stacks)
+    if table is not None:
+        return table
     columns: list[list[Any]] = []
     try:
         for i, (name, kind) in enumerate(zip(names, kinds, strict=True)):
@@ -619,6 +622,47 @@ def _unpack_details(spec: Sequence[Any], blob: memoryview, strings: list[str],
     return out
 
 
+def _detail_table(matrix: npt.NDArray[np.int64], counts: Sequence[int], shift: npt.NDArray[np.int64],
+                  strings: list[str], stacks: list[tuple[Frame, ...]]) -> list[Details] | None:
+    """The batch's details as one :class:`DetailTable` (each rank's read when asked),
+    the fields checked as ``_unpack_details`` checks them one by one; ``None`` where
+    they do not fit a table (a row key not its entry's row, keys not ascending within
+    a rank) or a check fails: the caller's field-by-field path then decides."""
+    n = matrix.shape[1]
+    cells = np.empty((n, len(_DETAIL_FIELDS)), dtype=np.int64)
+    for i, (name, kind) in enumerate(zip(_DETAIL_FIELDS, _DETAIL_KINDS, strict=True)):
+        v = matrix[i + 1]
+        if name in _TIME_COLUMNS:
+            v = v + shift
+        if not _cells_ok(v, kind, name, len(strings), len(stacks)):
+            return None
+        if kind == "b":
+            v = v != 0
+        elif kind == "f":
+            v = np.where(v < 0, len(stacks), v)  # no frames: the table's last stack, ()
+        cells[:, i] = v
+    keys = matrix[0]
+    ends = np.cumsum(np.asarray(counts, dtype=np.int64))
+    rising = np.ones(n, dtype=np.bool_)
+    rising[1:] = keys[1:] > keys[:-1]
+    rising[ends[:-1][ends[:-1] < n]] = True  # a rank's first row follows another rank's
+    if not np.array_equal(keys, cells[:, 0]) or not rising.all():
+        return None
+    table = DetailTable(cells, strings, [*stacks, ()])
+    return [Details(table, int(hi - k), int(hi)) for k, hi in zip(counts, ends.tolist(), strict=True)]
+
+
+def _cells_ok(v: npt.NDArray[np.int64], kind: str, name: str, n_strings: int, n_stacks: int) -> bool:
+    """Whether one field's column holds what ``_unpack_details`` accepts for it."""
+    if kind == "e":
+        return bool(np.isin(v, _STATE_VALUES).all())
+    if kind == "s":
+        return int(v.max()) < n_strings and (name == "location" or int(v.min()) >= 0)
+    if kind == "f":
+        return int(v.max()) < n_stacks
+    return True
+
+
 #: the kind each EntryDetail field is sent as (``_pack_details``); another is refused
 _DETAIL_KINDS: Final = tuple(
     {"op": "s", "in_shapes": "s", "out_shapes": "s", "in_dtypes": "s", "out_dtypes": "s",
@@ -626,6 +670,7 @@ _DETAIL_KINDS: Final = tuple(
      "frames": "f"}.get(name, "i") for name in _DETAIL_FIELDS)
 _I8: Final = np.dtype(np.int64)
 _STATES: Final = {int(s): s for s in OpState}
+_STATE_VALUES: Final = np.array(sorted(_STATES), dtype=np.int64)
 
 
 # ------------------------------------------------------------------ batches
@@ -1003,7 +1048,7 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS, *,
         if type(table) is not dict or len(table) > max(n, 1) * 4 + 1024 \
                 or not _int_to_text(table, limits):
             raise _bad(r, f"{name} is not a bounded table of integers to strings")
-    if type(d.details) is not dict or len(d.details) > n:
+    if type(d.details) not in (dict, Details) or len(d.details) > n:
         raise _bad(r, "more entry details than entries")
     if decoded is not None:  # int keys, EntryDetails of checked fields (``_unpack_details``)
         if d.details and (min(d.details) < 0 or max(d.details) >= n):
