@@ -12,7 +12,10 @@ and unpickling the digests, discovery) and of ``analyze``, split by pass
 detector, facts, timeline), the pool workers' CPU (``RUSAGE_CHILDREN``), the
 peak RSS, and a hash of the ``--format json`` report (``--json OUT`` writes it)
 to check that a change leaves the verdict byte-identical. Used for
-docs/scaling.md ("The central step").
+docs/scaling.md ("The central step"). The allocator keeps freed memory as
+``fr-analyze``'s ``main()`` sets it (``frforensics._malloc``; figures from before
+6 December's sixth session were taken without it, so their first analysis paid
+the page faults of every big temporary).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 
 import frforensics.analyzer._analyze as A
 import frforensics.analyzer.context as C
+from frforensics._malloc import keep_freed_memory
 from frforensics.analyzer import AnalyzeOptions, analyze, load_dumps
 from frforensics.reporting import render
 
@@ -38,6 +42,7 @@ def _cpu() -> float:
 
 
 def main() -> None:
+    keep_freed_memory()  # as fr-analyze's main() does
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("world_size", type=int)
