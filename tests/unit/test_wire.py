@@ -318,3 +318,68 @@ def test_a_progression_of_members_on_the_wire_is_bounded_and_checked() -> None:
     for bad in ([0, 1, 1 << 40], [0, 0, 5], [3, -2, 5], [-1, 1, 3]):
         with pytest.raises(WireError):
             _members_back(bad)
+
+
+def _doc(payload: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(zlib.decompress(payload[5:]), raw=False, strict_map_key=False)
+
+
+def _payload(doc: dict[str, Any]) -> bytes:
+    return wire._MAGIC + wire._ZLIB + zlib.compress(msgpack.packb(doc, use_bin_type=True))
+
+
+def test_a_group_seen_in_an_earlier_payload_is_not_decoded_again_but_still_checked(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    # the cache knows a group by the form it was sent in: the 100,000-rank default
+    # group is not expanded and hashed again for every payload of a load
+    digests = hang_digests["frdump"]
+    cache = wire.WireCache()
+    payload = wire.encode_batch(digests[:4])
+    first = wire.decode_batch(payload, cache=cache)
+    calls = []
+    real = wire._members_back
+    try:
+        wire._members_back = lambda *a, **k: calls.append(a) or real(*a, **k)  # type: ignore[assignment]
+        again = wire.decode_batch(payload, cache=cache)
+    finally:
+        wire._members_back = real
+    assert calls == []
+    assert all(g is h for d, e in zip(first, again, strict=True)
+               for g, h in zip(d.groups, e.groups, strict=True))
+    # members of another type that compare equal (True == 1) are not the cached group:
+    # decoded, and refused
+    doc = _doc(payload)
+    at = next(i for i, g in enumerate(doc["groups"]) if isinstance(g[2], list))
+    doc["groups"][at][2] = [True if v == 1 else float(v) for v in doc["groups"][at][2]]
+    with pytest.raises(wire.WireError, match="group members"):
+        wire.decode_batch(_payload(doc), cache=cache)
+    # nor under other limits: a world the cached group does not fit in
+    small = dataclasses.replace(wire.DEFAULT_LIMITS, max_rank=4)
+    with pytest.raises(wire.WireError, match="group members"):
+        wire.decode_batch(payload, cache=cache, limits=small)
+
+
+def test_equal_op_and_site_tables_are_one_checked_object(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    digests = hang_digests["frdump"][:6]
+    back = wire.decode_batch(wire.encode_batch(digests))
+    for d, e in zip(digests, back, strict=True):
+        assert e.op_names == d.op_names and e.sites == d.sites
+    assert len({id(d.op_names) for d in back}) == 1
+    # a hostile second table (equal names, one value not a string) is its own, and refused
+    doc = _doc(wire.encode_batch(digests[:2]))
+    rows = msgpack.unpackb(doc["digests"], raw=False, strict_map_key=False, use_list=True,
+                           ext_hook=msgpack.ExtType)
+    key = next(iter(rows[1]["op_names"]))
+    rows[1]["op_names"][key] = 7
+    doc["digests"] = msgpack.packb(rows, use_bin_type=True)
+    with pytest.raises(wire.WireError, match="op_names is not a bounded table"):
+        wire.decode_batch(_payload(doc))
+
+
+def test_one_value_segments_are_shared_read_only_views() -> None:
+    x = np.array([5, 5, 5, 5, 5, 5, 1, 2, 5, 5, 5], dtype=np.int64)
+    parts = wire._one_value_views(x, [3, 3, 2, 0, 3])
+    assert [p.tolist() for p in parts] == [[5, 5, 5], [5, 5, 5], [1, 2], [], [5, 5, 5]]
+    assert parts[0] is parts[1] is parts[4]
+    assert parts[0].strides == (0,) and not parts[0].flags.writeable

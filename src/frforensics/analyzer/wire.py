@@ -61,7 +61,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from frforensics.analyzer.digest import Details, DetailTable, EntryDetail, RankDigest, compact
+from frforensics.analyzer.digest import Details, DetailTable, EntryDetail, RankDigest
 from frforensics.errors import FrForensicsError
 from frforensics.formats.limits import DEFAULT_LIMITS, Limits
 from frforensics.model import (
@@ -311,10 +311,16 @@ def _one_value_views(x: npt.NDArray[Any], lengths: Sequence[int]) -> list[npt.ND
     one[held] = np.minimum.reduceat(x, starts) == np.maximum.reduceat(x, starts)
     one &= size > 1
     out = []
+    # the segments of one value and length are one view (read-only: a column all
+    # of one timeout, state or peer is that in every rank of the batch)
+    views: dict[tuple[Any, int], npt.NDArray[Any]] = {}
     for e, k, same in zip(ends.tolist(), size.tolist(), one.tolist(), strict=True):
         if same:
-            v = np.ndarray((k,), x.dtype, x[e - 1:e].copy(), 0, (0,))
-            v.flags.writeable = False
+            key = (x[e - 1].item(), k)
+            v = views.get(key)
+            if v is None:
+                v = views[key] = np.ndarray((k,), x.dtype, x[e - 1:e].copy(), 0, (0,))
+                v.flags.writeable = False
             out.append(v)
         else:
             out.append(x[e - k:e])
@@ -732,6 +738,27 @@ class WireCache:
     def __init__(self) -> None:
         self.groups: dict[GroupInfo, GroupInfo] = {}
         self.stacks: dict[tuple[Frame, ...], tuple[Frame, ...]] = {}
+        #: a group as the wire sends it (name, desc, members as sent, backend) -> its
+        #: decoded, checked ``GroupInfo``: the default group of 100,000 ranks comes in
+        #: every payload, and expanding and hashing its members there was ~8 % of a
+        #: decode
+        self.sent_groups: dict[tuple[Any, ...], GroupInfo] = {}
+
+    def group(self, sent: Sequence[Any], limits: Limits) -> GroupInfo:
+        """The one ``GroupInfo`` of a group table row (checked as ``_decode_doc`` checks it)."""
+        name, desc, ranks, backend = sent
+        # only the forms ``_members`` sends, exactly typed (``True == 1``: a member list
+        # of other types is decoded and refused by ``_members_back``, never looked up)
+        exact = ranks is None or type(ranks) is bytes or (
+            type(ranks) is tuple and len(ranks) == 3 and all(type(v) is int for v in ranks))
+        key = (name, desc, ranks, backend, limits.max_rank) if exact else None
+        found = None if key is None else self.sent_groups.get(key)
+        if found is None:
+            g = GroupInfo(name, desc, _members_back(ranks, limits), backend)
+            found = self.groups.setdefault(g, g)
+            if key is not None:
+                self.sent_groups[key] = found
+        return found
 
 
 #: the largest decompressed payload accepted at all (a guard against decompression bombs)
@@ -840,11 +867,12 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
     if expanded > MAX_MEMBERS:
         raise WireError(f"group members: {expanded} in one payload, more than {MAX_MEMBERS}: "
                         "refused")
-    groups = [GroupInfo(name, desc, _members_back(ranks, limits), backend)
-              for name, desc, ranks, backend in raw_groups]
     if cache is not None:
         stacks = [cache.stacks.setdefault(s, s) for s in stacks]
-        groups = [cache.groups.setdefault(g, g) for g in groups]
+        groups = [cache.group(g, limits) for g in raw_groups]
+    else:
+        groups = [GroupInfo(name, desc, _members_back(ranks, limits), backend)
+                  for name, desc, ranks, backend in raw_groups]
     unpacker = _Unpacker(frames, stacks, groups)
     # every stack of the table is frames of checked strings and int64 lines: the
     # digests' stacks (details, threads, a death) are these objects, checked once here
@@ -875,14 +903,38 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
     for v, details in zip(values, _unpack_details(doc["details"], blob, strings, stacks, bases),
                           strict=True):
         v["details"] = details
+    _share_tables(values)
     out = []
+    checked = set(trusted)
     for v in values:
         if set(v) != set(_DIGEST_FIELDS):
             raise WireError("digest from another version of frforensics (fields differ)")
         d = _digest_of(v)
-        check_digest(d, limits, decoded=trusted)
+        check_digest(d, limits, decoded=checked)
+        checked.update((id(d.op_names), id(d.sites)))
         out.append(d)
     return out
+
+
+def _share_tables(values: list[dict[str, Any]]) -> None:
+    """Each digest's op-name and call-site tables as one object where equal to another
+    digest's of the batch (the ranks of a job name the same ops at the same sites), as
+    the local loader shares them (``load._Sharer``): held once, and checked once
+    (``check_digest`` with the ids of the tables it has passed). An equal table stands
+    in for a digest's own, so what a digest holds is always a table that was checked."""
+    for name in ("op_names", "sites"):
+        seen: list[Any] = []
+        for v in values:
+            table = v.get(name)
+            if type(table) is not dict:
+                continue
+            for prev in seen:
+                if prev == table:
+                    v[name] = prev
+                    break
+            else:
+                if len(seen) < 8:
+                    seen.append(table)
 
 
 def _digest_of(v: dict[str, Any]) -> RankDigest:
@@ -896,8 +948,14 @@ def _digest_of(v: dict[str, Any]) -> RankDigest:
             head[name] = enum_type(value)
         except ValueError:
             raise WireError(f"a digest's {name} {value!r:.40} is not one this version knows") from None
-    # (the one-value columns are views already: ``_get_segments``)
-    return compact(RankDigest(header=DumpHeader(**head), **v), columns=False)
+    # (the one-value columns are views already: ``_get_segments``); ``numel`` is
+    # ``size`` where they are equal, as ``digest.compact`` leaves it (made here, not
+    # by a ``replace`` of the digest: a second digest object per rank)
+    size, numel = v.get("size"), v.get("numel")
+    if isinstance(size, np.ndarray) and isinstance(numel, np.ndarray) \
+            and numel.dtype == size.dtype and np.array_equal(numel, size):
+        v["numel"] = size
+    return RankDigest(header=DumpHeader(**head), **v)
 
 
 # ------------------------------------------------------------------ checks
@@ -966,10 +1024,11 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS, *,
     process boundary (a worker's or a peer's).
 
     ``decoded``: ``d`` is :func:`decode_batch`'s own, and these are the ids of its
-    payload's stacks, already checked (frames of checked strings and int64 lines):
-    a stack among them is not checked again, and the entry details, which the
-    decoder built field by field from the checked tables (``_unpack_details``), are
-    checked for their rows only."""
+    payload's stacks, already checked (frames of checked strings and int64 lines),
+    and of the op-name and call-site tables an earlier digest of the payload passed
+    with (``_share_tables``): one among them is not checked again, and the entry
+    details, which the decoder built field by field from the checked tables
+    (``_unpack_details``), are checked for their rows only."""
     trusted: Container[int] = () if decoded is None else decoded
     r = d.rank
     if type(r) is not int or not 0 <= r < limits.max_rank:
@@ -1046,7 +1105,7 @@ def check_digest(d: RankDigest, limits: Limits = DEFAULT_LIMITS, *,
         if table is None and name == "sites":
             continue
         if type(table) is not dict or len(table) > max(n, 1) * 4 + 1024 \
-                or not _int_to_text(table, limits):
+                or (id(table) not in trusted and not _int_to_text(table, limits)):
             raise _bad(r, f"{name} is not a bounded table of integers to strings")
     if type(d.details) not in (dict, Details) or len(d.details) > n:
         raise _bad(r, "more entry details than entries")
