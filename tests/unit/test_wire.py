@@ -383,3 +383,75 @@ def test_one_value_segments_are_shared_read_only_views() -> None:
     assert [p.tolist() for p in parts] == [[5, 5, 5], [5, 5, 5], [1, 2], [], [5, 5, 5]]
     assert parts[0] is parts[1] is parts[4]
     assert parts[0].strides == (0,) and not parts[0].flags.writeable
+
+
+_BAD_COLUMNS = {
+    "group_past_its_table": ("group", lambda d: _set(d.group, 0, len(d.groups)), "group index"),
+    "group_below_minus_1": ("group", lambda d: _set(d.group, 1, -2), "group index"),
+    "peer_past_the_world": ("peer", lambda d: _set(d.peer, 2, 1 << 20), "peer outside"),
+    "peer_below_minus_1": ("peer", lambda d: _set(d.peer, 2, -5), "peer outside"),
+    "state_that_does_not_exist": ("state", lambda d: _set(d.state, 3, 200), "op state"),
+    "unit_past_the_rows": ("unit", lambda d: _set(np.arange(len(d)), 4, len(d)), "coalesced unit"),
+    "unit_negative": ("unit", lambda d: _set(np.arange(len(d)), 4, -1), "coalesced unit"),
+    "seq_one_row_short": ("seq", lambda d: np.array(d.seq[:-1]), "rows, not"),
+    "seq_as_int32": ("seq", lambda d: d.seq.astype(np.int32), "one-dimensional <i8"),
+    "size_as_float": ("size", lambda d: d.size.astype(np.float64), "one-dimensional <i8"),
+}
+
+
+def _set(a: np.ndarray, i: int, value: int) -> np.ndarray:
+    out = np.array(a, dtype=a.dtype)
+    out[i] = value
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(_BAD_COLUMNS))
+def test_a_column_the_full_check_refuses_is_refused_by_the_batch_check(
+        hang_digests: dict[str, list[RankDigest]], case: str) -> None:
+    # the decoder checks the columns of its batch at once (``_RowCounts``), not digest
+    # by digest: the full check is the oracle, one bad column of one digest at a time
+    name, make, error = _BAD_COLUMNS[case]
+    good, d = hang_digests["frdump"][0], hang_digests["frdump"][5]
+    bad = dataclasses.replace(d, **{name: make(d)})
+    with pytest.raises(wire.WireError):
+        wire.check_digest(bad)
+    with pytest.raises(wire.WireError, match=error):
+        wire.decode_batch(wire.encode_batch([good, bad]))
+
+
+def test_what_the_batch_column_check_accepts_the_full_check_accepts(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    # random bytes of the payload's blob (the columns, the detail matrix, the frame
+    # table) rewritten by a hostile worker: refused, or every digest passes the full check
+    payload = wire.encode_batch([*hang_digests["frdump"][:3], *hang_digests["native"][3:6]],
+                                level=0)
+    doc = _doc(payload)
+    blob = bytes(doc["blob"])
+    rng = random.Random(5)
+    accepted = refused = 0
+    for _ in range(400):
+        b = bytearray(blob)
+        for _ in range(rng.randint(1, 6)):
+            b[rng.randrange(len(b))] = rng.choice((0, 1, 0x7F, 0x80, 0xFF, rng.randrange(256)))
+        doc["blob"] = bytes(b)
+        try:
+            back = wire.decode_batch(_payload(doc))
+        except wire.WireError:
+            refused += 1
+            continue
+        accepted += 1
+        for d in back:
+            wire.check_digest(d)
+    assert accepted > 40 and refused > 40, (accepted, refused)
+
+
+@pytest.mark.parametrize(("name", "value"), [("group", None), ("state", None), ("op_hash", None),
+                                             ("unit", 5), ("numel", "x")])
+def test_a_column_a_digest_lacks_or_sends_as_a_value_is_refused(
+        hang_digests: dict[str, list[RankDigest]], name: str, value: Any) -> None:
+    good, d = hang_digests["frdump"][0], hang_digests["frdump"][5]
+    bad = dataclasses.replace(d, **{name: value})
+    with pytest.raises(wire.WireError):
+        wire.check_digest(bad)  # the oracle
+    with pytest.raises(wire.WireError, match=f"column {name} of a digest is missing"):
+        wire.decode_batch(wire.encode_batch([good, bad]))
