@@ -38,12 +38,15 @@ constructors of a fixed set of types. A payload is as untrusted as a dump file
 (docs/security.md, "peers"): it is inflated only up to :func:`payload_cap` bytes
 (the archive budget of ``formats.limits``), group members are expanded only
 within ``Limits.max_rank`` and :data:`MAX_MEMBERS` per payload, every table
-index is checked (never Python's negative indexing), and every decoded digest is
-checked field by field (:func:`check_digest`: types, ranks, times within int64,
-string and count bounds, column dtypes and lengths, group and unit indices);
-the values the decoder builds from the payload's checked tables -- stacks, and
-each entry-detail field, whose kinds, indices and missing strings it checks
-per column -- are checked at their table, not again at each use.
+index is checked (never Python's negative indexing), the batch's columns are
+checked as they are decoded (``_RowCounts``: dtypes, one length per digest,
+group, peer, state and unit indices within their bounds), and every decoded
+digest is checked field by field for the rest (:func:`check_digest`: types,
+ranks, times within int64, string and count bounds); the values the decoder
+builds from the payload's checked tables -- stacks, op-name and site tables
+equal to one already checked, and each entry-detail field, whose kinds, indices
+and missing strings it checks per column -- are checked at their table, not
+again at each use.
 A malformed payload raises :class:`WireError`, and so does one that runs out
 of memory. :class:`WireCache` makes equal groups and stacks of every
 batch one object in the central process, as the local loader does per batch.
