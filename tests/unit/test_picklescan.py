@@ -272,3 +272,53 @@ def test_strings_crafted_to_collide_give_way_instead_of_probing_every_one() -> N
     got = _scanned(plain)
     assert got is not None
     _same(got, _python_path(plain))
+
+
+def _first_seen_oracle(codes: list[int]) -> tuple[list[int], list[int]]:
+    calls: list[int] = []
+    got: dict[int, int] = {}
+    for c in codes:
+        if c not in got:
+            calls.append(c)
+            got[c] = 3 * c + 1
+    return [got[c] for c in codes], calls
+
+
+@given(st.lists(st.one_of(st.integers(0, 40), st.integers(-5, 5), st.integers(0, 1 << 40)),
+                max_size=60))
+@settings(max_examples=300, deadline=None)
+def test_first_seen_calls_fill_once_per_code_in_first_seen_order(codes: list[int]) -> None:
+    """Both of ``_first_seen``'s ways (a table for small codes, a sort for large or
+    negative ones) map every code and call ``fill`` once per code in first-seen order:
+    the Python reader interns strings in that order."""
+    import numpy as np
+    calls: list[int] = []
+
+    def fill(c: int) -> int:
+        calls.append(c)
+        return 3 * c + 1
+
+    out = native._first_seen(np.asarray(codes, dtype=np.int64), fill, np.int64)
+    want, want_calls = _first_seen_oracle(codes)
+    assert out.tolist() == want
+    assert calls == want_calls
+
+
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_group_codes_name_and_description_pairs_in_first_seen_order(pairs: list[tuple[int, int]]) -> None:
+    import numpy as np
+    strings = [f"s{i}" for i in range(10)]
+    seen: list[tuple[str, str]] = []
+
+    class Ctx:
+        def group_of(self, name: str, desc: str) -> int:
+            seen.append((name, desc))
+            return len(seen) - 1
+
+    name = np.asarray([p[0] for p in pairs], dtype=np.int32)
+    desc = np.asarray([p[1] for p in pairs], dtype=np.int32)
+    out = native._group_codes(name, desc, strings, Ctx())  # type: ignore[arg-type]
+    order = list(dict.fromkeys((strings[a], strings[b]) for a, b in pairs))
+    assert seen == order
+    assert out.tolist() == [order.index((strings[a], strings[b])) for a, b in pairs]
