@@ -459,3 +459,90 @@ def test_a_column_a_digest_lacks_or_sends_as_a_value_is_refused(
         wire.check_digest(bad)  # the oracle
     with pytest.raises(wire.WireError, match=f"column {name} of a digest is missing"):
         wire.decode_batch(wire.encode_batch([good, bad]))
+
+
+# ---- a review's hostile payloads (7 December): each got past the decoder before
+
+def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return msgpack.unpackb(doc["digests"], raw=False, strict_map_key=False, use_list=True,
+                           ext_hook=msgpack.ExtType)
+
+
+def _append(doc: dict[str, Any], data: bytes) -> int:
+    offset = len(doc["blob"])
+    doc["blob"] = doc["blob"] + data
+    return offset
+
+
+def test_a_column_sent_twice_is_refused(hang_digests: dict[str, list[RankDigest]]) -> None:
+    # split in two entries, the bounds of the second stood in for the first's: digest
+    # 0's group 99 (of 4) got past the batch check
+    ds = hang_digests["frdump"][:2]
+    doc = _doc(wire.encode_batch(ds))
+    columns = []
+    for name, members, spec in doc["columns"]:
+        if name != "group":
+            columns.append([name, members, spec])
+            continue
+        bad = ds[0].group.copy()
+        bad[0] = 99
+        for m, g in ((0, bad), (1, ds[1].group)):
+            sp = wire._put_column(wire._Blob(), g)
+            data = wire._shuffle(g.astype(np.dtype(sp[3])))
+            sp[4], sp[5] = _append(doc, data), len(data)
+            columns.append(["group", [m], sp])
+    doc["columns"] = columns
+    with pytest.raises(wire.WireError, match="sent twice"):
+        wire.decode_batch(_payload(doc))
+
+
+def test_a_digest_without_call_sites_vouches_for_no_other_none(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    # ``sites`` None is legal; its id once joined the checked ones, and a later
+    # digest's thread or death frames of None passed (a TypeError in the analysis)
+    ds = hang_digests["frdump"][:2]
+    doc = _doc(wire.encode_batch(ds))
+    rows = _rows(doc)
+    rows[0]["sites"] = None
+    rows[1]["death"] = msgpack.ExtType(wire._EXT_DEATH, msgpack.packb(["exc", "boom", None]))
+    doc["digests"] = msgpack.packb(rows, use_bin_type=True)
+    with pytest.raises(wire.WireError, match="death"):
+        wire.decode_batch(_payload(doc))
+    rows[1].pop("death")
+    rows[1]["death"] = None
+    doc["digests"] = msgpack.packb(rows, use_bin_type=True)
+    assert wire.decode_batch(_payload(doc))[0].sites is None  # alone, it is fine
+
+
+@pytest.mark.parametrize("dtype, value", [("<f8", 1.5), ("<u8", 2**64 - 1), ("|b1", True)])
+def test_frame_lines_that_are_not_int64_are_refused_and_never_cached(
+        hang_digests: dict[str, list[RankDigest]], dtype: str, value: object) -> None:
+    # the stacks built from the frame table are trusted, and cached for later payloads
+    ds = hang_digests["frdump"][:2]
+    honest = wire.encode_batch(ds)
+    doc = _doc(honest)
+    n = wire._get_column(memoryview(doc["blob"]), doc["frames"][1]).shape[0]
+    a = np.full(n, value, dtype=dtype)
+    data = wire._shuffle(a) if dtype == "<u8" else a.tobytes()
+    doc["frames"][1] = [dtype, [n], 0, dtype, _append(doc, data), len(data), None]
+    cache = wire.WireCache()
+    with pytest.raises(wire.WireError, match="frame table"):
+        wire.decode_batch(_payload(doc), cache=cache)
+    back = wire.decode_batch(honest, cache=cache)
+    for d in back:
+        wire.check_digest(d)  # the full check: no frame of the refused payload came in
+        assert all(type(f.line) is int for t in d.threads for f in t.frames)
+
+
+def test_a_segment_longer_than_a_ring_is_refused_before_it_is_decoded(
+        hang_digests: dict[str, list[RankDigest]]) -> None:
+    ds = hang_digests["frdump"][:1]
+    doc = _doc(wire.encode_batch(ds))
+    long = 1 << 16
+    offset = _append(doc, bytes(long))
+    doc["columns"] = [[name, [0], [spec[0], [long], 0, "|u1" if spec[0] == "|u1" else "|i1",
+                                   offset, long, None]]
+                      for name, _members, spec in doc["columns"]]
+    limits = dataclasses.replace(wire.DEFAULT_LIMITS, max_entries=long - 1)
+    with pytest.raises(wire.WireError, match=f"more than {long - 1} rows"):
+        wire.decode_batch(_payload(doc), limits=limits)

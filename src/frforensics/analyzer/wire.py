@@ -254,16 +254,20 @@ _DTYPES: Final = {np.dtype(t).str: np.dtype(t)
 
 def _get_segments(blob: memoryview, spec: Sequence[Any], bases: Sequence[int], *,
                   one_value_views: bool = False,
-                  whole: list[npt.NDArray[Any]] | None = None) -> list[npt.NDArray[Any]]:
+                  whole: list[npt.NDArray[Any]] | None = None,
+                  max_rows: int | None = None) -> list[npt.NDArray[Any]]:
     """The column's segment of each digest; ``one_value_views``: a segment of more than
     one row, all of one value, as a read-only stride-0 view of that value, as
     ``digest.compact`` leaves it (found for the whole batch in two passes).
-    ``whole``: the column's rows, all segments together, are appended to it."""
+    ``whole``: the column's rows, all segments together, are appended to it.
+    ``max_rows``: a segment longer is refused before anything is decoded."""
     try:
         dtype_s, lengths, form, stored_s, off, ln, extra = spec
         dtype, stored = _DTYPES[dtype_s], _DTYPES[stored_s]
         if len(lengths) != len(bases) or not all(type(k) is int and k >= 0 for k in lengths):
             raise ValueError("segment lengths")
+        if max_rows is not None and any(k > max_rows for k in lengths):
+            raise ValueError(f"a segment of more than {max_rows} rows")
     except (TypeError, ValueError, KeyError) as exc:
         raise WireError(f"bad column spec: {exc!r}") from None
     n = sum(lengths)
@@ -857,8 +861,12 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
     strings = list(_list(doc["strings"], "string table"))
     if not all(type(s) is str and len(s) <= 4 * limits.max_string_chars for s in strings):
         raise WireError("bad string table")
-    files, lines, names = (_get_column(blob, spec).tolist()
-                           for spec in _list(doc["frames"], "frame table"))
+    # three int64 columns, as the encoder sends them: the stacks made of them are
+    # trusted (and cached for later payloads) without checking each frame again
+    frame_columns = [_get_column(blob, spec) for spec in _list(doc["frames"], "frame table")]
+    if len(frame_columns) != 3 or any(c.dtype != np.int64 for c in frame_columns):
+        raise WireError("bad frame table: not three int64 columns (file, line, name)")
+    files, lines, names = (c.tolist() for c in frame_columns)
     ns = len(strings)
     if any(not 0 <= i < ns for i in (*files, *names)):
         raise WireError(f"bad frame table: a string index outside 0..{ns - 1}")
@@ -895,10 +903,19 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
     bases = [v.get("dump_time_ns") or 0 for v in values]
     zeros = [0] * len(values)
     rows = _RowCounts(values)
+    sent: set[str] = set()
     for column in _list(doc["columns"], "column list"):
         name, members, spec = column
         if name not in _ARRAY_FIELDS:
             raise WireError(f"unknown column {name!r}")
+        want = _ARRAY_FIELDS[name][0]
+        if not isinstance(spec, (list, tuple)) or not spec or spec[0] != want.str:
+            raise WireError(f"column {name} is not a one-dimensional {want.str} array")
+        # one entry a column (the encoder's): a second would be decoded again, and
+        # its segments' bounds would stand in for the first's (``_RowCounts``)
+        if name in sent:
+            raise WireError(f"column {name!r} sent twice")
+        sent.add(name)
         members = _list(members, "column members")
         if len(set(members)) != len(members):
             raise WireError(f"column {name!r} names a digest twice")
@@ -907,7 +924,7 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
         pick = bases if name in _TIME_COLUMNS else zeros
         whole: list[npt.NDArray[Any]] = []
         segments = _get_segments(blob, spec, [pick[i] for i in members], one_value_views=True,
-                                 whole=whole)
+                                 whole=whole, max_rows=limits.max_entries)
         rows.add(name, members, segments, whole[0])
         for i, col in zip(members, segments, strict=True):
             values[i][name] = col
@@ -923,7 +940,8 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
             raise WireError("digest from another version of frforensics (fields differ)")
         d = _digest_of(v)
         check_digest(d, limits, decoded=checked, columns_checked=True)
-        checked.update((id(d.op_names), id(d.sites)))
+        # the tables it passed with (not a ``None`` sites: ids here vouch for objects)
+        checked.update(id(t) for t in (d.op_names, d.sites) if type(t) is dict)
         out.append(d)
     return out
 
