@@ -122,3 +122,12 @@ def test_live_rounds_round_trip_delta_coded():
     assert empty is not None and len(empty["seq"]) == 0
     assert decode_round(b"junk") is None
     assert decode_round(zlib.compress(b'{"n": 3, "ops": []}\nxx')) is None
+
+
+def test_closing_rows_is_membership_in_the_closing_hashes() -> None:
+    from frforensics.analyzer.digest import _CLOSING_HASHES, closing_rows
+    rng = np.random.default_rng(7)
+    h = rng.integers(0, 1 << 32, 3000, dtype=np.uint64).astype(np.uint32)
+    h[rng.integers(0, 3000, 300)] = rng.choice(_CLOSING_HASHES, 300)
+    assert np.array_equal(closing_rows(h), np.isin(h, _CLOSING_HASHES))
+    assert closing_rows(h).sum() >= 250
