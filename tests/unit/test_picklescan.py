@@ -9,6 +9,7 @@ it accepts, give way (``None``) on everything else, and call a stream corrupt
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import platform
 import random
@@ -322,3 +323,87 @@ def test_group_codes_name_and_description_pairs_in_first_seen_order(pairs: list[
     order = list(dict.fromkeys((strings[a], strings[b]) for a, b in pairs))
     assert seen == order
     assert out.tolist() == [order.index((strings[a], strings[b])) for a, b in pairs]
+
+
+@scanner
+def test_memo_slots_written_by_binput_shift_memoize_as_in_pickle() -> None:
+    """MEMOIZE stores at ``len(memo)``, the slots already filled, not at a count of
+    MEMOIZE opcodes: a stream that also writes slots with BINPUT (legal, only a crafted
+    file does it) reads the same on both paths, or is corrupt on both. A review found
+    the scanner reading ``nccl:broadcast`` where pickle read ``nccl:all_reduce``."""
+    import pickletools
+    rng = random.Random(11)
+    # the captured dumps are protocol 2 (BINPUT only): the same documents in protocol 4
+    datas = [pickle.dumps(native.decode_pickle(d, source="x"), protocol=4) for d in _captured()[:12]]
+    verdicts = {"same": 0, "corrupt": 0, "read_otherwise": 0}
+    for _ in range(300):
+        data = rng.choice(datas)
+        memoize = [pos for op, _arg, pos in pickletools.genops(data) if op.name == "MEMOIZE"]
+        out = bytearray(data)
+        for pos in sorted(rng.sample(memoize, min(len(memoize), rng.randrange(1, 4))),
+                          reverse=True):
+            # BINPUT after it, to a slot not yet filled (or one that is)
+            out[pos + 1:pos + 1] = b"q" + bytes([rng.choice((rng.randrange(8), 200 + rng.randrange(56)))])
+        d = bytes(_unframed(out))
+        sc = native._picklescan.scan(d)
+        if isinstance(sc, str):
+            verdicts["corrupt"] += 1
+            with pytest.raises(DumpError):
+                _python_path(d)
+            continue
+        if sc is None:  # gave way: the unpickler decides
+            continue
+        verdicts["same"] += 1
+        expected = _python_path(d)
+        _same(native._trace_from_scan(sc, source="x", rank=0, detail_tail=None), expected)
+        # the shifted slots make pickle read other objects than the file's writer meant
+        verdicts["read_otherwise"] += _resolved(expected) != _resolved(_python_path(data))
+    assert verdicts["same"] and verdicts["read_otherwise"], verdicts
+
+
+def _unframed(data: bytearray) -> bytearray:
+    """``data`` without protocol 4's FRAME opcodes (whose lengths inserted bytes break):
+    frames are optional, a stream reads the same without them."""
+    import pickletools
+    out = bytearray()
+    last = 0
+    for op, _arg, pos in pickletools.genops(bytes(data)):
+        if op.name == "FRAME":
+            out += data[last:pos]
+            last = pos + 9
+    return out + data[last:]
+
+
+@scanner
+def test_an_int_written_longer_than_it_needs_is_the_same_int() -> None:
+    # LONG1 of 9 bytes holding 5 (a writer's non-minimal form): a duration of 5 ms,
+    # not "unknown"; a real big int still is
+    doc = _doc()
+    doc["entries"][0]["duration_ms"] = 5
+    data = pickle.dumps(doc, protocol=2)
+    five = b"\x8a\x09" + (5).to_bytes(9, "little")
+    small = pickle.dumps(5, protocol=2)[2:-1]  # BININT1 5
+    assert small in data
+    for long in (five, b"\x8a\x09" + (-3).to_bytes(9, "little", signed=True)):
+        d = data.replace(small, long, 1)
+        _same(_scanned(d), _python_path(d))  # type: ignore[arg-type]
+
+
+@scanner
+def test_more_entries_than_the_limit_are_refused_before_their_columns_are_made() -> None:
+    # one byte an entry (DUP of one record): the scanner's columns would be 122 bytes each
+    doc = _doc()
+    one = doc["entries"][0]
+    doc["entries"] = [one] * 5000
+    data = pickle.dumps(doc, protocol=4)
+    limits = dataclasses.replace(native.DEFAULT_LIMITS, max_entries=4999)
+    assert native._picklescan.scan(data, 64, 4096, 65536, 4999) == ("5000 entries",)
+    with pytest.raises(DumpError, match="5000 entries"):
+        native.pickle_to_trace(data, source="x", rank=0, limits=limits)
+
+
+def test_a_huge_int_in_a_text_field_is_text() -> None:
+    doc = _doc()
+    doc["version"] = 10 ** 5000
+    trace = _python_path(pickle.dumps(doc, protocol=4))
+    assert trace.version.startswith("<int of ")

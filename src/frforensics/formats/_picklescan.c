@@ -120,6 +120,9 @@ typedef struct {
     const unsigned char *data;
     Py_ssize_t len;
     Vec nodes, links, stack, marks, memo;
+    /* memo slots filled: where MEMOIZE stores (pickle's len(memo), not a count of
+     * MEMOIZE opcodes: a stream may mix them with BINPUT) */
+    Py_ssize_t memo_len;
     /* strings */
     Vec sptr, slen, shash;
     IdTab stab;
@@ -143,7 +146,7 @@ typedef struct {
     int32_t *node_dt;   /* read_dtypes: string id, -1 = not yet */
     Vec sz_numel, sz_fsum, sz_text;
     /* limits (formats/limits.py); past them: irregular, the Python reader decides */
-    Py_ssize_t max_dims, max_text_dims, max_string;
+    Py_ssize_t max_dims, max_text_dims, max_string, max_entries;
     /* scratch */
     Vec text, fids;
     const unsigned char *op_at; /* the opcode being run */
@@ -156,6 +159,7 @@ typedef struct {
 #define IRREGULAR 1
 #define ERR (-1)
 #define CORRUPT 2 /* certainly malformed: s->why says how (the unpickler would fail too) */
+#define TOO_MANY 3 /* more entries than max_entries: refused before their columns are made */
 #define TRY(x) do { int rc_ = (x); if (rc_ != OK) return rc_; } while (0)
 
 static int corrupt(Scan *s, const char *what) {
@@ -410,6 +414,8 @@ static int memo_put(Scan *s, uint64_t idx) {
             AT(s->memo, int32_t, k) = -1;
         s->memo.n = (Py_ssize_t)idx + 1;
     }
+    if (AT(s->memo, int32_t, idx) < 0)
+        s->memo_len++;
     AT(s->memo, int32_t, idx) = AT(s->stack, int32_t, s->stack.n - 1);
     return OK;
 }
@@ -429,7 +435,6 @@ static inline uint64_t le(const unsigned char *p, int n) {
 
 static int run(Scan *s, int32_t *result) {
     const unsigned char *p = s->data, *end = s->data + s->len;
-    Py_ssize_t memo_auto = 0; /* MEMOIZE index */
 #define NEED(k) do { if ((uint64_t)(end - p) < (uint64_t)(k)) return corrupt(s, "truncated"); } while (0)
 #define POP(var) do { if (s->stack.n <= fence(s)) return corrupt(s, "stack underflow"); \
                       var = AT(s->stack, int32_t, --s->stack.n); } while (0)
@@ -523,7 +528,16 @@ static int run(Scan *s, int32_t *result) {
                     v |= ~(uint64_t)0 << (8 * n); /* sign-extend */
                 TRY(push_new(s, T_INT, (int64_t)v));
             } else {
-                TRY(push_new(s, T_BIGINT, 0));
+                /* more than 8 bytes: still an int64 where every byte past the 8th
+                 * only extends the sign (a writer's non-minimal encoding) */
+                unsigned char ext = (p[7] & 0x80) ? 0xff : 0x00;
+                uint64_t k = 8;
+                while (k < n && p[k] == ext)
+                    k++;
+                if (k == n)
+                    TRY(push_new(s, T_INT, (int64_t)le(p, 8)));
+                else
+                    TRY(push_new(s, T_BIGINT, 0));
             }
             p += n;
             break;
@@ -628,7 +642,7 @@ static int run(Scan *s, int32_t *result) {
             p += 4;
             break;
         case 0x94: /* MEMOIZE */
-            TRY(memo_put(s, (uint64_t)memo_auto++));
+            TRY(memo_put(s, (uint64_t)s->memo_len));
             break;
         case 'h': /* BINGET */
             NEED(1);
@@ -1105,6 +1119,10 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
     if (list->tag != T_LIST)
         return IRREGULAR;
     Py_ssize_t n = list->count;
+    if (n > s->max_entries) {
+        snprintf(s->why, sizeof s->why, "%zd entries", n);
+        return TOO_MANY;
+    }
     int32_t *i32[N_I32];
     int64_t *i64[N_I64];
     uint8_t *is_p2p = NULL, *retired = NULL;
@@ -1394,7 +1412,9 @@ static void scan_free(Scan *s) {
 static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer view;
     Py_ssize_t max_dims = 64, max_text_dims = 4096, max_string = 65536;
-    if (!PyArg_ParseTuple(args, "y*|nnn:scan", &view, &max_dims, &max_text_dims, &max_string))
+    Py_ssize_t max_entries = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTuple(args, "y*|nnnn:scan", &view, &max_dims, &max_text_dims, &max_string,
+                          &max_entries))
         return NULL;
     if (view.len > MAX_SCAN_BYTES) {
         PyBuffer_Release(&view);
@@ -1407,6 +1427,7 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
     s.max_dims = max_dims;
     s.max_text_dims = max_text_dims;
     s.max_string = max_string;
+    s.max_entries = max_entries;
     PyObject *result = PyDict_New();
     int rc = result == NULL ? ERR : scan_into(&s, result);
     scan_free(&s);
@@ -1418,6 +1439,8 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
         return NULL;
     if (rc == CORRUPT)
         return PyUnicode_FromString(s.why);
+    if (rc == TOO_MANY) /* the caller's limit: a tuple, neither a document nor corrupt */
+        return Py_BuildValue("(s)", s.why);
     Py_RETURN_NONE;
 }
 

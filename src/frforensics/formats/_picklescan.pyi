@@ -1,6 +1,7 @@
 from typing import Any
 
 def scan(
-    data: bytes, max_dims: int = 64, max_text_dims: int = 4096, max_string: int = 65536, /
-) -> dict[str, Any] | str | None: ...
+    data: bytes, max_dims: int = 64, max_text_dims: int = 4096, max_string: int = 65536,
+    max_entries: int = ..., /
+) -> dict[str, Any] | str | tuple[str] | None: ...
 def check(data: bytes, /) -> str | None: ...

@@ -223,7 +223,10 @@ def _as_str(value: Any) -> str:
     if value is None:
         return ""
     if type(value) in _SCALARS:
-        return str(value)
+        try:
+            return str(value)
+        except ValueError:  # an int past Python's 4,300 digits
+            return f"<int of {value.bit_length()} bits>"
     return f"<{type(value).__name__}>"
 
 
@@ -1219,7 +1222,10 @@ def pickle_to_trace(
     underflow, a memo index past the end of the file...), refused at once.
     """
     scanned = (_picklescan.scan(data, limits.max_dims, limits.max_shape_text_dims,
-                                limits.max_string_chars) if scanner_available() else None)
+                                limits.max_string_chars, limits.max_entries)
+               if scanner_available() else None)
+    if isinstance(scanned, tuple):  # more entries than the limit, counted before reading them
+        raise LimitExceededError(f"{source}: {scanned[0]} (limit {limits.max_entries} per rank)")
     if isinstance(scanned, str):
         raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
     if scanned is not None and "duration" not in scanned:
