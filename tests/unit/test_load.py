@@ -105,3 +105,33 @@ def test_pytorch_dump_beside_ours_is_no_duplicate(tmp_path: Path) -> None:
     assert dumps.problems == []
     assert all(d.format == "frdump" for d in dumps.digests.values())
     assert len(dumps.companions) == 4
+
+
+def test_a_file_that_kills_its_reader_is_one_problem_and_the_rest_are_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that dies (the OOM killer, a crash in a C reader) broke the whole pool:
+    every batch in flight was lost and ``fr-analyze`` ended in an internal error. Now
+    the lost batches' files are read again one at a time and only the killer is lost.
+    (The workers are forked: the stand-in for a fatal file reaches them.)"""
+    import os
+    import signal
+
+    from frforensics.analyzer import load
+    from frforensics.testing import JobBuilder
+    JobBuilder(world_size=16, tp=2, dp=8, ring_size=40, seed=1).steps(4).build() \
+        .write_frdump(tmp_path / "d", jobs=1)
+    expected = load_dumps([tmp_path / "d"], jobs=1)
+    real = load.digest_source
+
+    def fatal(source: load.DumpSource, **kw: object) -> object:
+        if source.label.endswith("_rank_5"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(source, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(load, "digest_source", fatal)
+    got = load_dumps([tmp_path / "d"], jobs=2)
+    assert sorted(got.digests) == [r for r in range(16) if r != 5]
+    assert [(p.path.rsplit("/", 1)[-1], p.error) for p in got.problems] == [
+        ("frdump_rank_5", load.READER_DIED)]
+    for r in got.digests:
+        assert got.digests[r].seq.tolist() == expected.digests[r].seq.tolist()

@@ -35,7 +35,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 from frforensics._gc import gc_paused
 from frforensics.analyzer.digest import DEFAULT_TAIL, DetailTable, EntryDetail, RankDigest, digest
@@ -402,10 +404,50 @@ def _decode_all(sources: list[DumpSource], *, prefix: str | None, jobs: int, tai
             if late():
                 return
             rows, future = flight.popleft()
-            yield from zip(rows, future.result(), strict=True)
+            try:
+                done = future.result()
+            except BrokenProcessPool:
+                # a worker died (killed for memory, a crash in a C reader): every batch in
+                # flight is lost with it; each of their files is read again alone, so the
+                # one that kills its reader is one load problem and the rest are read
+                pool.shutdown(wait=False, cancel_futures=True)
+                lost = [rows, *(r for r, _ in flight)]
+                flight.clear()
+                for r in lost:
+                    yield from _one_at_a_time(sources, r, prefix, tail, limits, window, late)
+                pool = _executor(jobs)
+                continue
+            yield from zip(rows, done, strict=True)
     finally:
         # past the deadline, nothing waits for the batches still queued
         pool.shutdown(wait=end is None, cancel_futures=end is not None)
+
+
+#: said of a file whose reader's process died (``_one_at_a_time``)
+READER_DIED: Final = ("its reader's process died (killed, out of memory, or a crash in a "
+                      "reader): skipped; the other files were read")
+
+
+def _one_at_a_time(sources: list[DumpSource], rows: range, prefix: str | None, tail: int,
+                   limits: Limits, window: int | None, late: Callable[[], bool],
+                   ) -> Iterator[tuple[int, RankDigest | LoadProblem | Skipped]]:
+    """Each of ``rows`` decoded in a worker of its own, one after another: a file whose
+    worker dies is a :class:`LoadProblem`, and the next file gets a new worker."""
+    pool = _executor(1)
+    try:
+        for i in rows:
+            if late():
+                return
+            try:
+                out = pool.submit(_decode_batch, [sources[i]], prefix, tail, limits,
+                                  window).result()
+            except BrokenProcessPool:
+                pool.shutdown(wait=False, cancel_futures=True)
+                pool = _executor(1)
+                out = [LoadProblem(sources[i].label, READER_DIED)]
+            yield from ((i, item) for item in out)
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _add(result: DumpSet, new: RankDigest) -> None:
