@@ -1228,8 +1228,11 @@ def pickle_to_trace(
         raise LimitExceededError(f"{source}: {scanned[0]} (limit {limits.max_entries} per rank)")
     if isinstance(scanned, str):
         raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
-    if scanned is not None and "duration" not in scanned:
-        scanned = None  # a scanner compiled before duration_ms was read: the Python reader
+    if scanned is not None and ("duration" not in scanned or scanned.get("string_ints")):
+        # a scanner compiled before duration_ms was read; or numeric strings in an
+        # integer field (PyTorch's analyzer tests write str(seq)), which the Python
+        # reader takes entry by entry, interning strings in that order: the Python reader
+        scanned = None
     if scanned is None:
         doc = decode_pickle(data, source=source)
         return to_trace(doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank,
@@ -1293,12 +1296,6 @@ def _group_codes(name: np.ndarray, desc: np.ndarray, strings: list[str], ctx: _C
                        np.int32)
 
 
-#: the scanner's integer columns in its ``string_ints`` bit order (INT_KEYS)
-_SCANNED_INT_FIELDS: Final = ("record_id", "collective_seq_id", "p2p_seq_id", "time_created_ns",
-                              "time_discovered_started_ns", "time_discovered_completed_ns",
-                              "timeout_ms")
-
-
 def _trace_from_scan(
     sc: dict[str, Any], *, source: str, rank: int | None, detail_tail: int | None,
     limits: Limits = DEFAULT_LIMITS,
@@ -1338,11 +1335,6 @@ def _trace_from_scan(
         timeout_ms=col("timeout_ms", np.int64),
         duration_ns=col("duration", np.int64),
     )
-
-    mask = int(sc.get("string_ints", 0))
-    for bit, field in enumerate(_SCANNED_INT_FIELDS):
-        if mask >> bit & 1:
-            ctx.notes.extend(lenient_ints(["0"], field)[1])
 
     # report-only columns, interned row by row in the Python reader's order
     details = _Details(*(np.full(n, NO_INDEX, dtype=np.int32) for _ in range(4)))
