@@ -327,18 +327,26 @@ def _refuse_lost_shards(st: State, excluded: list[int], verdict: Verdict) -> boo
     return bool(peers)
 
 
+#: How long the leader waits for a live standby to answer a recovery's ``open``. It
+#: was 2 s: a CI run on a loaded 2-core machine (four ranks, a standby, the agent and
+#: other jobs) had its standby answer later, and the survivors went on without it.
+#: Only a standby counted alive but not answering costs this much (one that died
+#: without leaving, a stopped host).
+SPARE_WAIT_S = 5.0
+
+
 def _admit_spares(st: State, uuid: int, wanted: int,
                   deadline: float) -> list[tuple[int, str]]:
     """Up to ``wanted`` standbys that answered this recovery's ``open`` (id, handle).
 
     A standby registers as ``<uuid>/spare#<n>`` (``n`` from the store's counter);
-    the leader waits up to 2 s for them, and only while some standby is alive
-    (the ``standbys`` counter), so a job without standbys loses no time here.
+    the leader waits up to ``SPARE_WAIT_S`` for them, and only while some standby is
+    alive (the ``standbys`` counter), so a job without standbys loses no time here.
     """
     out: list[tuple[int, str]] = []
     if wanted <= 0 or _add(st.store, "standbys", 0) <= 0:
         return out
-    end = min(deadline, time.monotonic() + 2.0)
+    end = min(deadline, time.monotonic() + SPARE_WAIT_S)
     while True:
         n = _add(st.store, f"{uuid}/nspare", 0)
         if n >= wanted or time.monotonic() >= end:
