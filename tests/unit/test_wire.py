@@ -546,3 +546,14 @@ def test_a_segment_longer_than_a_ring_is_refused_before_it_is_decoded(
     limits = dataclasses.replace(wire.DEFAULT_LIMITS, max_entries=long - 1)
     with pytest.raises(wire.WireError, match=f"more than {long - 1} rows"):
         wire.decode_batch(_payload(doc), limits=limits)
+
+
+@pytest.mark.parametrize("name, dtype", [("seq", np.int32), ("size", np.float64)])
+def test_a_column_of_another_dtype_is_refused_as_sent_when_every_digest_has_it(
+        hang_digests: dict[str, list[RankDigest]], name: str, dtype: Any) -> None:
+    # one entry for the column (no second dtype beside it): the check on its sent dtype
+    # is the only one, made before it is decoded
+    d = hang_digests["frdump"][5]
+    bad = dataclasses.replace(d, **{name: getattr(d, name).astype(dtype)})
+    with pytest.raises(wire.WireError, match=f"column {name} is not a one-dimensional <i8"):
+        wire.decode_batch(wire.encode_batch([bad]))

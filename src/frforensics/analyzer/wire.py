@@ -908,7 +908,7 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
         name, members, spec = column
         if name not in _ARRAY_FIELDS:
             raise WireError(f"unknown column {name!r}")
-        want = _ARRAY_FIELDS[name][0]
+        want = _ARRAY_FIELDS[name][0]  # the dtype, checked before anything is decoded
         if not isinstance(spec, (list, tuple)) or not spec or spec[0] != want.str:
             raise WireError(f"column {name} is not a one-dimensional {want.str} array")
         # one entry a column (the encoder's): a second would be decoded again, and
@@ -948,8 +948,8 @@ def _decode_doc(doc: Any, cache: WireCache | None, limits: Limits) -> list[RankD
 
 class _RowCounts:
     """What ``check_digest`` checks of a digest's columns, checked for the whole batch
-    at once, column by column as the decoder makes them: each column's dtype, each
-    digest's columns all of one length, and the index columns within their bounds
+    at once, column by column as the decoder makes them (each column's dtype is
+    checked as sent, in ``_decode_doc``): each digest's columns all of one length, and the index columns within their bounds
     (groups of the digest, peers and states, coalesced units within its rows). A
     Python loop over 17 columns per digest was a tenth of a decode."""
 
@@ -960,9 +960,7 @@ class _RowCounts:
 
     def add(self, name: str, members: Sequence[int], segments: list[npt.NDArray[Any]],
             x: npt.NDArray[Any]) -> None:
-        dtype = _ARRAY_FIELDS[name][0]
-        if x.dtype != dtype:
-            raise WireError(f"column {name} is not a one-dimensional {dtype.str} array")
+        # (its dtype was checked as sent, before decoding: ``_get_segments`` gives that one)
         at = np.asarray(members, dtype=np.int64)
         k = np.fromiter(map(len, segments), dtype=np.int64, count=len(segments))
         unset = self.n[at] < 0
