@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -412,3 +413,50 @@ def test_a_malformed_decision_layout_is_named_before_anything_acts_on_it(
             "meshes": [{"device_type": "cpu", "shape": [2], "names": ["x"], "dims": [[0, 1]]}]}
     assert _mesh.malformed(good, 2) is None and _mesh.malformed({}, 0) is None
     assert _mesh.malformed({**good, field: value}, 2) == why
+
+
+def test_a_standby_counted_in_before_its_entry_is_written_is_still_admitted() -> None:
+    # The standby's two store calls (count itself in, then write its entry) with a
+    # loaded host between them: the leader sees the count first. CI lost a standby
+    # that way (one look at the entry); the leader now waits for it, bounded.
+    import threading
+
+    from frforensics.recovery import _reform
+
+    st = _held().state
+    st.store.add("standbys", 1)
+    st.store.add("2/nspare", 1)
+    entry = json.dumps({"id": 4, "handle": "h4"})
+    late = threading.Timer(0.3, st.store.set, ("2/spare#1", entry))
+    late.start()
+    try:
+        got = _reform._admit_spares(st, 2, 1, time.monotonic() + 10)
+    finally:
+        late.cancel()
+    assert got == [(4, "h4")]
+    assert 4 in st.known
+
+
+def test_a_standby_that_counted_in_and_died_costs_a_bounded_wait(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from frforensics.recovery import _reform
+
+    monkeypatch.setattr(_reform, "SPARE_WAIT_S", 0.2)
+    monkeypatch.setattr(_reform, "SPARE_ENTRY_GRACE_S", 0.3)
+    st = _held().state
+    st.store.add("standbys", 1)
+    st.store.add("2/nspare", 1)
+    t0 = time.monotonic()
+    assert _reform._admit_spares(st, 2, 1, time.monotonic() + 10) == []
+    assert time.monotonic() - t0 < 2.0
+    assert "no standby answered" in capsys.readouterr().err
+
+
+def test_a_proposal_names_only_current_members() -> None:
+    # a live report from before a re-form may name a rank already excluded
+    rec = _held()
+    rec.state.members = [0, 1, 2]
+    assert rec.propose_exclusion([3], "stale report") is False
+    assert "2/plan" not in rec.state.store.kv
+    assert rec.propose_exclusion([3, 2], "one of them still here") is True
+    assert json.loads(rec.state.store.kv["2/plan"])["culprit_ranks"] == [2]

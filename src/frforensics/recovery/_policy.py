@@ -102,6 +102,15 @@ def propose(st: State, ranks: Sequence[int], reason: str) -> bool:
     membership wins; True when this one is stored.
     """
     named = sorted({int(r) for r in ranks})
+    gone = [r for r in named if r not in st.members]
+    if gone:
+        # a live report from before a re-form can still name a rank already excluded:
+        # proposing it would only have the next planned check refuse it
+        log.warning("frforensics.recovery: not proposing rank(s) %s: not members (%s)",
+                    gone, st.members)
+        named = [r for r in named if r in st.members]
+        if not named:
+            return False
     raw = Verdict(status="planned", culprit_ranks=tuple(named),
                   actions=tuple(Action(rank=r, action="replace_gpu_or_host", because="planned")
                                 for r in named),

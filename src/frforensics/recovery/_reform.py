@@ -333,6 +333,8 @@ def _refuse_lost_shards(st: State, excluded: list[int], verdict: Verdict) -> boo
 #: Only a standby counted alive but not answering costs this much (one that died
 #: without leaving, a stopped host).
 SPARE_WAIT_S = 5.0
+#: How long the leader waits for the entry of a standby that has counted itself in.
+SPARE_ENTRY_GRACE_S = 2.0
 
 
 def _admit_spares(st: State, uuid: int, wanted: int,
@@ -355,7 +357,12 @@ def _admit_spares(st: State, uuid: int, wanted: int,
     for i in range(1, n + 1):
         if len(out) >= wanted:
             break
-        raw = _get(st.store, f"{uuid}/spare#{i}", time.monotonic())
+        # A standby counts itself in (``nspare``) and then writes its entry: two store
+        # calls, and a loaded host may run others between them. Its entry is waited
+        # for (to the window's end, at least SPARE_ENTRY_GRACE_S), never read once: a
+        # single look lost a standby that had answered (CI, a loaded 2-core machine).
+        raw = _get(st.store, f"{uuid}/spare#{i}",
+                   min(deadline, max(end, time.monotonic() + SPARE_ENTRY_GRACE_S)))
         if raw is None:
             continue
         with contextlib.suppress(ValueError, TypeError, KeyError):
@@ -363,6 +370,9 @@ def _admit_spares(st: State, uuid: int, wanted: int,
             spare, handle = int(entry["id"]), str(entry["handle"])
             if spare not in st.members and spare not in [m for m, _ in out]:
                 out.append((spare, handle))
+    if not out:
+        _say(st, f"no standby answered within {SPARE_WAIT_S:g} s ({n} counted in, "
+                 f"{_add(st.store, 'standbys', 0)} counted alive): going on without one")
     for spare, _ in out:
         if spare in st.spares:
             st.spares.remove(spare)

@@ -31,8 +31,11 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
             return Guard()
         if _get(st.store, f"{uuid}/open", time.monotonic() + 0.2) is None:
             continue
+        # the entry is made before counting in: the leader reads it as soon as the
+        # count says it is there (and waits a little for it, _admit_spares)
+        entry = json.dumps({"id": st.me, "handle": _handle()})
         n = _add(st.store, f"{uuid}/nspare", 1)
-        _set(st.store, f"{uuid}/spare#{n}", json.dumps({"id": st.me, "handle": _handle()}))
+        _set(st.store, f"{uuid}/spare#{n}", entry)
         raw = _get(st.store, f"{uuid}/decision", time.monotonic() + 3 * st.options.arrival_timeout_s)
         if raw is None:
             uuid += 1
