@@ -65,6 +65,8 @@ CASE_NAMES = [
     'jobs_10000',
     'json_deep_nesting',
     'json_huge_int',
+    'memo_dtype_text_scan0',
+    'memo_dtype_text_scan1',
     'memo_index_fallback',
     'native_group_rank_huge',
     'native_rank_-1',
@@ -130,6 +132,8 @@ EXPECTED_PROBLEM: dict[str, str | None] = {
     "frdump_group_rank_huge": "implausible ranks",
     "memo_index_fallback": "memo index past the size of the file",
     "shape_400k_dims": "400000 dims (limit 64)",
+    "memo_dtype_text_scan1": "characters of text (shapes, dtype lists",
+    "memo_dtype_text_scan0": "characters of text (shapes, dtype lists",
     "native_seq_int64_max": "not plausible",
     "native_rank_-1": "not a plausible rank",
     "native_rank_1000000000": "not a plausible rank",
@@ -150,6 +154,24 @@ def _good_doc() -> Any:
 
 def _pickle(doc: Any) -> bytes:
     return pickle.dumps(doc, protocol=2)
+
+
+def _memo_sharing_cases(bad_file: Callable[..., None]) -> None:
+    """Pickles whose memo shares one object across entries, on both readers."""
+    for scan in ("1", "0"):
+        env = {"FRFORENSICS_PICKLE_SCAN": scan}
+        doc = _good_doc()
+        shared = [[4, 4]] * 20_000
+        entry = dict(doc["entries"][0], input_sizes=shared, output_sizes=shared)
+        doc["entries"] = [entry] * 20_000
+        bad_file(f"shared_input_sizes_scan{scan}", _pickle(doc), RANKLESS, env=env)
+        # each entry's dtype list names one 60 KB string (pickled once: the memo) and
+        # one of its own: 20,000 distinct texts, 1.2 GB from a file of a few MB
+        doc = _good_doc()
+        long = "Float" * 12_000
+        entry = doc["entries"][0]
+        doc["entries"] = [dict(entry, input_dtypes=[long, str(i)]) for i in range(20_000)]
+        bad_file(f"memo_dtype_text_scan{scan}", _pickle(doc), RANKLESS, env=env)
 
 
 def _with_placeholder(doc_fn: Callable[[Any, str], None], ops: bytes) -> bytes:
@@ -384,13 +406,7 @@ def build(root: Path) -> dict[str, Case]:
     # an opcode the scanner leaves to the unpickler (EMPTY_SET), then a memo index of 2^28
     evil = b"\x80\x04\x8f" + b"r" + struct.pack("<I", 1 << 28) + b"0}."
     bad_file("memo_index_fallback", evil)
-    for scan in ("1", "0"):
-        doc = _good_doc()
-        shared = [[4, 4]] * 20_000
-        entry = dict(doc["entries"][0], input_sizes=shared, output_sizes=shared)
-        doc["entries"] = [entry] * 20_000
-        bad_file(f"shared_input_sizes_scan{scan}", _pickle(doc), RANKLESS,
-                 env={"FRFORENSICS_PICKLE_SCAN": scan})
+    _memo_sharing_cases(bad_file)
     doc = _good_doc()
     doc["entries"][0]["input_sizes"] = [[2] * 400_000]
     bad_file("shape_400k_dims", _pickle(doc), RANKLESS)

@@ -397,7 +397,8 @@ def test_more_entries_than_the_limit_are_refused_before_their_columns_are_made()
     doc["entries"] = [one] * 5000
     data = pickle.dumps(doc, protocol=4)
     limits = dataclasses.replace(native.DEFAULT_LIMITS, max_entries=4999)
-    assert native._picklescan.scan(data, 64, 4096, 65536, 4999) == ("5000 entries",)
+    assert native._picklescan.scan(data, 64, 4096, 65536, 4999) == (
+        "5000 entries (limit 4999 per rank)",)
     with pytest.raises(DumpError, match="5000 entries"):
         native.pickle_to_trace(data, source="x", rank=0, limits=limits)
 
@@ -407,3 +408,24 @@ def test_a_huge_int_in_a_text_field_is_text() -> None:
     doc["version"] = 10 ** 5000
     trace = _python_path(pickle.dumps(doc, protocol=4))
     assert trace.version.startswith("<int of ")
+
+
+@pytest.mark.parametrize("scan", ["1", "0"])
+def test_text_built_from_memo_references_is_bounded_by_the_file_size(
+        scan: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # each entry's dtype list: one 60 KB string (pickled once, the memo) and its own
+    monkeypatch.setenv("FRFORENSICS_PICKLE_SCAN", scan)
+    doc = _doc(200)
+    long = "Float" * 12_000
+    for i, e in enumerate(doc["entries"]):
+        e["input_dtypes"] = [long, str(i)]
+    data = pickle.dumps(doc, protocol=4)
+    assert len(data) < 200_000  # 12 MB of text from it
+    limits = dataclasses.replace(native.DEFAULT_LIMITS, text_ratio_floor_bytes=1 << 20)
+    assert limits.text_budget(len(data)) < 4 << 20
+    with pytest.raises(DumpError, match="characters of text"):
+        native.pickle_to_trace(data, source="x", rank=0, limits=limits)
+    # a budget above it: the same file reads, on either path
+    roomy = dataclasses.replace(limits, text_ratio_floor_bytes=64 << 20)
+    trace = native.pickle_to_trace(data, source="x", rank=0, limits=roomy)
+    assert len(trace.entries) == 200

@@ -147,6 +147,10 @@ typedef struct {
     Vec sz_numel, sz_fsum, sz_text;
     /* limits (formats/limits.py); past them: irregular, the Python reader decides */
     Py_ssize_t max_dims, max_text_dims, max_string, max_entries;
+    /* bytes of the texts built from the document (shapes, dtype lists), new ones
+     * only: memo references let a small file build each entry's text from one long
+     * string, so the total is bounded (the caller's budget) */
+    Py_ssize_t built, max_built;
     /* scratch */
     Vec text, fids;
     const unsigned char *op_at; /* the opcode being run */
@@ -159,7 +163,7 @@ typedef struct {
 #define IRREGULAR 1
 #define ERR (-1)
 #define CORRUPT 2 /* certainly malformed: s->why says how (the unpickler would fail too) */
-#define TOO_MANY 3 /* more entries than max_entries: refused before their columns are made */
+#define TOO_MANY 3 /* a caller's limit (entries, built text): refused, s->why says which */
 #define TRY(x) do { int rc_ = (x); if (rc_ != OK) return rc_; } while (0)
 
 static int corrupt(Scan *s, const char *what) {
@@ -310,6 +314,15 @@ static int intern(Scan *s, const char *p, Py_ssize_t n, int stable, int32_t *out
             return OK;
         }
         i = (i + 1) & s->stab.mask;
+    }
+    if (!stable) {
+        if (n > s->max_built - s->built) {
+            snprintf(s->why, sizeof s->why,
+                     "its entries build more than %zd characters of text (shapes, dtype "
+                     "lists: the limit for a file of %zd bytes)", s->max_built, s->len);
+            return TOO_MANY;
+        }
+        s->built += n;
     }
     /* new: must be valid UTF-8 for Python's unpickler (errors="surrogatepass") */
     PyObject *str = PyUnicode_DecodeUTF8(p, n, "surrogatepass");
@@ -1120,7 +1133,7 @@ static int read_entries(Scan *s, int32_t entries, PyObject *result) {
         return IRREGULAR;
     Py_ssize_t n = list->count;
     if (n > s->max_entries) {
-        snprintf(s->why, sizeof s->why, "%zd entries", n);
+        snprintf(s->why, sizeof s->why, "%zd entries (limit %zd per rank)", n, s->max_entries);
         return TOO_MANY;
     }
     int32_t *i32[N_I32];
@@ -1412,9 +1425,9 @@ static void scan_free(Scan *s) {
 static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
     Py_buffer view;
     Py_ssize_t max_dims = 64, max_text_dims = 4096, max_string = 65536;
-    Py_ssize_t max_entries = PY_SSIZE_T_MAX;
-    if (!PyArg_ParseTuple(args, "y*|nnnn:scan", &view, &max_dims, &max_text_dims, &max_string,
-                          &max_entries))
+    Py_ssize_t max_entries = PY_SSIZE_T_MAX, max_built = PY_SSIZE_T_MAX;
+    if (!PyArg_ParseTuple(args, "y*|nnnnn:scan", &view, &max_dims, &max_text_dims, &max_string,
+                          &max_entries, &max_built))
         return NULL;
     if (view.len > MAX_SCAN_BYTES) {
         PyBuffer_Release(&view);
@@ -1428,6 +1441,7 @@ static PyObject *scan(PyObject *Py_UNUSED(module), PyObject *args) {
     s.max_text_dims = max_text_dims;
     s.max_string = max_string;
     s.max_entries = max_entries;
+    s.max_built = max_built < 0 ? 0 : max_built;
     PyObject *result = PyDict_New();
     int rc = result == NULL ? ERR : scan_into(&s, result);
     scan_free(&s);
@@ -1556,9 +1570,10 @@ static PyObject *check(PyObject *Py_UNUSED(module), PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS,
-     "scan(data, max_dims=64, max_text_dims=4096, max_string=65536) -> dict | str | None: "
-     "a native pickle dump's entries as columns; a str says why the pickle is malformed; "
-     "None: read it with the Python unpickler."},
+     "scan(data, max_dims=64, max_text_dims=4096, max_string=65536, max_entries=..., "
+     "max_built=...) -> dict | str | tuple | None: a native pickle dump's entries as "
+     "columns; a str says why the pickle is malformed; a 1-tuple, which limit it passes "
+     "(entries, bytes of built text); None: read it with the Python unpickler."},
     {"check", check, METH_O,
      "check(data) -> str | None: walk every opcode without running any; a str says why "
      "the Python unpickler must not be given this pickle (truncated, unknown opcode, a memo "

@@ -41,6 +41,17 @@ class Limits:
     max_string_chars: int = 1 << 16
     #: Collective and p2p sequence numbers are below this (2^48).
     max_seq: int = 1 << 48
+    #: Text a pickle's entries build (shapes, dtype lists: each distinct one once) is
+    #: at most ``max_text_ratio`` times the file's size, beyond
+    #: ``text_ratio_floor_bytes``: its memo lets a few bytes an entry name one long
+    #: string, so without it a 4.8 MB file built 2.5 GB of text. PyTorch's own
+    #: dumps build well under their size (a shape's text is a few bytes a dim).
+    max_text_ratio: int = 16
+    text_ratio_floor_bytes: int = 64 << 20
+
+    def text_budget(self, file_bytes: int) -> int:
+        """Characters of text the entries of a pickle of ``file_bytes`` may build."""
+        return max(self.text_ratio_floor_bytes, self.max_text_ratio * file_bytes)
 
 
 DEFAULT_LIMITS: Final = Limits()

@@ -270,6 +270,10 @@ def normalize_op(profiling_name: str) -> tuple[str, int, int]:
     return _OP_ALIASES.get(base, base), NO_INDEX, NO_INDEX
 
 
+class _TextBudgetExceeded(LimitExceededError):
+    """A trace's string table passed its budget (the reader adds the source)."""
+
+
 class _Table(dict[str, int]):
     """String interning for one trace: ``table[s]`` is the index of ``s`` (added on first use).
 
@@ -277,13 +281,22 @@ class _Table(dict[str, int]):
     column at C speed, calling Python only for strings not seen before.
     """
 
-    __slots__ = ("strings",)
+    __slots__ = ("budget", "chars", "strings")
 
-    def __init__(self) -> None:
+    def __init__(self, budget: int | None = None) -> None:
         super().__init__()
         self.strings: list[str] = []
+        #: characters the table may hold (``Limits.text_budget``), None: unbounded
+        self.budget = budget
+        self.chars = 0
 
     def __missing__(self, s: str) -> int:
+        if self.budget is not None:
+            self.chars += len(s)
+            if self.chars > self.budget:
+                raise _TextBudgetExceeded(
+                    f"its entries build more than {self.budget} characters of text "
+                    "(shapes, dtype lists, names: the limit for a file of its size)")
         i = self[s] = len(self.strings)
         self.strings.append(s)
         return i
@@ -453,10 +466,10 @@ class _Context:
     """What both column readers share: the string table, groups, op kinds."""
 
     def __init__(self, config: dict[str, tuple[str, tuple[int, ...] | None]],
-                 limits: Limits = DEFAULT_LIMITS) -> None:
+                 limits: Limits = DEFAULT_LIMITS, text_budget: int | None = None) -> None:
         self.config = config
         self.limits = limits
-        self.strings = _Table()
+        self.strings = _Table(text_budget)
         self.group_index: dict[str, int] = {}
         self.groups: list[GroupInfo] = []
         # one row per distinct profiling_name: (op string index, local peer, p2p by name)
@@ -641,9 +654,10 @@ def _columns_bulk(entries: list[dict[str, Any]], ctx: _Context,
     is_p2p = np.fromiter(map(bool, col["is_p2p"]), dtype=np.bool_, count=n).view(np.uint8)
     in_numel = _bulk_numel(col["input_sizes"], limits)
     out_numel = _bulk_numel(col["output_sizes"], limits)
+    # each text interned as it is made (the table's budget bounds what is kept; a
+    # list of every entry's text first held them all)
     in_dtypes = np.fromiter(
-        map(ctx.strings.__getitem__,
-            _by_identity(col["input_dtypes"], lambda d: _dtypes_text(d, limits))),
+        _by_identity(col["input_dtypes"], lambda d: ctx.strings[_dtypes_text(d, limits)]),
         dtype=np.int32, count=n,
     )
     states = _Memo(_state_of)
@@ -900,6 +914,7 @@ def to_trace(
     rank_from: str = "filename",
     detail_tail: int | None = None,
     limits: Limits = DEFAULT_LIMITS,
+    text_budget: int | None = None,
 ) -> RankTrace:
     """Normalize a decoded native document into a :class:`RankTrace`, within ``limits``.
 
@@ -915,6 +930,10 @@ def to_trace(
     ``NO_INDEX`` elsewhere (stacks are always complete: each distinct stack is
     resolved once). Formatting the shapes of 2000 entries costs a third of
     decoding the pickle; an analysis shows a few dozen.
+
+    ``text_budget``: characters the trace's string table may hold
+    (``Limits.text_budget`` of the file's size; past it, ``LimitExceededError``).
+    A pickle's memo lets each entry build its text from one long shared string.
     """
     header = _header(doc, source=source, rank=rank, rank_from=rank_from, limits=limits)
     entries = doc.get("entries") or []
@@ -928,16 +947,19 @@ def to_trace(
             _bad(source, "'entries' is not a list of records")
         entries = [dict(e) for e in entries]
 
-    ctx = _Context(header.config, limits)
     try:
-        cols = _columns_bulk(entries, ctx, limits)
-    except (_Irregular, KeyError, TypeError, ValueError, OverflowError):
-        ctx = _Context(header.config, limits)  # start clean: the general reader interns in its own order
-        cols = _columns_general(entries, ctx, source, limits)
-
-    n = len(entries)
-    details = _read_details(entries, _detail_rows(cols, n, detail_tail, ctx), ctx.strings, source,
-                            limits)
+        ctx = _Context(header.config, limits, text_budget)
+        try:
+            cols = _columns_bulk(entries, ctx, limits)
+        except (_Irregular, KeyError, TypeError, ValueError, OverflowError):
+            # start clean: the general reader interns in its own order
+            ctx = _Context(header.config, limits, text_budget)
+            cols = _columns_general(entries, ctx, source, limits)
+        n = len(entries)
+        details = _read_details(entries, _detail_rows(cols, n, detail_tail, ctx), ctx.strings,
+                                source, limits)
+    except _TextBudgetExceeded as exc:
+        raise LimitExceededError(f"{source}: {exc}") from None
     stacks = _Stacks(source, limits)
     stack = stacks.column(entries)
     return _assemble(n, ctx, cols, details, tuple(stacks.stacks), stack, header, source, fmt,
@@ -1222,10 +1244,11 @@ def pickle_to_trace(
     underflow, a memo index past the end of the file...), refused at once.
     """
     scanned = (_picklescan.scan(data, limits.max_dims, limits.max_shape_text_dims,
-                                limits.max_string_chars, limits.max_entries)
+                                limits.max_string_chars, limits.max_entries,
+                                limits.text_budget(len(data)))
                if scanner_available() else None)
-    if isinstance(scanned, tuple):  # more entries than the limit, counted before reading them
-        raise LimitExceededError(f"{source}: {scanned[0]} (limit {limits.max_entries} per rank)")
+    if isinstance(scanned, tuple):  # a limit: more entries (counted before reading them), text
+        raise LimitExceededError(f"{source}: {scanned[0]}")
     if isinstance(scanned, str):
         raise CorruptDumpError(f"{source}: truncated or corrupt pickle ({scanned})")
     if scanned is not None and ("duration" not in scanned or scanned.get("string_ints")):
@@ -1236,7 +1259,8 @@ def pickle_to_trace(
     if scanned is None:
         doc = decode_pickle(data, source=source)
         return to_trace(doc, source=source, fmt=SourceFormat.NATIVE_PICKLE, rank=rank,
-                        detail_tail=detail_tail, limits=limits)
+                        detail_tail=detail_tail, limits=limits,
+                        text_budget=limits.text_budget(len(data)))
     return _trace_from_scan(scanned, source=source, rank=rank, detail_tail=detail_tail,
                             limits=limits)
 
