@@ -118,7 +118,7 @@ class _Store:
 def test_a_planned_exclusion_writes_the_document_it_always_wrote(
         monkeypatch: pytest.MonkeyPatch) -> None:
     store = _Store()
-    st = type("St", (), {"store": store, "uuid": 1})()
+    st = type("St", (), {"store": store, "uuid": 1, "attempt": 0, "members": [0, 1, 2, 3]})()
     monkeypatch.setattr(recovery, "state", lambda: st)
     assert recovery.propose_exclusion([3, 1, 3], "straggler in 3 windows") is True
     raw = store.values["2/plan"].decode()

@@ -10,6 +10,7 @@ from frforensics.recovery._state import (
     RecoveryFailed,
     RecoveryRefused,
     State,
+    _ns,
     log,
 )
 from frforensics.verdict import Action, Verdict, VerdictError, headline
@@ -116,7 +117,7 @@ def propose(st: State, ranks: Sequence[int], reason: str) -> bool:
                                 for r in named),
                   headline=headline("planned", reason)).dumps()
     try:
-        got = st.store.compare_set(f"{st.uuid + 1}/plan", "", raw)
+        got = st.store.compare_set(f"{_ns(st.uuid + 1, st.attempt)}/plan", "", raw)
     except Exception as exc:
         raise RecoveryFailed(f"the c10d store is unreachable ({exc})") from exc
     return bytes(got).decode() == raw

@@ -20,6 +20,8 @@ from frforensics.recovery._state import (
     RecoveryFailed,
     RecoveryRefused,
     State,
+    _is_comm_failure,
+    _ns,
     _say,
     _torch,
     log,
@@ -44,7 +46,7 @@ def _planned_check(st: State, g: Guard) -> None:
     if st.steps % every:
         return
     torch, dist, _ = _torch()
-    key = f"{st.uuid + 1}/plan"
+    key = f"{_ns(st.uuid + 1, st.attempt)}/plan"
     raw: bytes | None = None
     with contextlib.suppress(Exception):
         if st.store.check([key]):
@@ -52,7 +54,13 @@ def _planned_check(st: State, g: Guard) -> None:
     seen = torch.tensor([0.0 if raw is None or raw in st.refused_plans else 1.0])
     # Every member reads the key at a different moment: the MAX tells all of them
     # that one saw it, and then it is there for everyone to read.
-    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    try:
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    except Exception as exc:  # a peer lost after the step's last collective: a failure
+        if not _is_comm_failure(exc):
+            raise
+        recover(st, g, cause=exc)
+        return
     if seen.item() <= 0:
         return
     if raw is None:
@@ -106,7 +114,7 @@ def _recover_once(st: State, g: Guard, *, cause: BaseException | None,
             _say(st, f"planned exclusion at step boundary {st.steps}")
         deadline = t0 + opts.verdict_timeout_s
         local = planned if planned is not None else _wait_verdict(st, deadline, detail)
-        agreed = _agree_on_verdict(st, st.uuid + 1, local, deadline)
+        agreed = _agree_on_verdict(st, _ns(st.uuid + 1, st.attempt), local, deadline)
         if agreed is None:
             raise RecoveryFailed(
                 f"no verdict within {opts.verdict_timeout_s:g} s (is frforensics.recorder "
@@ -127,6 +135,8 @@ def _recover_once(st: State, g: Guard, *, cause: BaseException | None,
     except HandoverLost:
         raise  # the members recover again (``recover``)
     except RecoveryError as exc:
+        if isinstance(exc, RecoveryRefused):
+            st.attempt += 1  # everyone saw this refusal: the next attempt's keys are fresh
         _say(st, f"recovery gave up: {exc.reason}")
         if planned is not None and isinstance(exc, RecoveryRefused):
             raise exc from cause  # a refused plan: the job trains on
@@ -149,39 +159,48 @@ def _reform(st: State, g: Guard, verdict: Verdict, excluded: list[int],
     opts = st.options
     uuid = st.uuid + 1
     survivors = [m for m in st.members if m not in excluded]
+    ns = _ns(uuid, st.attempt)
     if st.me not in survivors:
+        # the leader may still refuse (a shard with no standby to take it): this rank
+        # exits only once the decision is not a refusal (or none comes in its bound)
+        raw = _get(st.store, f"{ns}/decision", time.monotonic() + 2 * opts.arrival_timeout_s)
+        decision: Any = None
+        with contextlib.suppress(ValueError):
+            decision = json.loads(raw) if raw is not None else None
+        if isinstance(decision, dict) and "refused" in decision:
+            raise RecoveryRefused(str(decision["refused"]), [verdict])
         _exit_excluded(st, verdict)
     # 1. arrive: a fresh handle per survivor, per attempt (a standby admitted by a
     # re-form whose hand-over lost a peer says first that it holds no state).
     if st.stateless:
-        _set(st.store, f"{uuid}/nostate/{st.me}", "1")
-    _set(st.store, f"{uuid}/h/{st.me}", _handle())
-    _set(st.store, f"{uuid}/open", "1")  # standbys watch this
+        _set(st.store, f"{ns}/nostate/{st.me}", "1")
+    _set(st.store, f"{ns}/h/{st.me}", _handle())
+    _set(st.store, f"{uuid}/open", str(st.attempt))  # standbys watch this
     leader = survivors[0]
     deadline = time.monotonic() + opts.arrival_timeout_s
     if st.me == leader:
         handles: dict[int, str] = {}
         for m in survivors:
-            raw = _get(st.store, f"{uuid}/h/{m}", deadline)
+            raw = _get(st.store, f"{ns}/h/{m}", deadline)
             if raw is None:
-                _set(st.store, f"{uuid}/decision", json.dumps(
+                _set(st.store, f"{ns}/decision", json.dumps(
                     {"failed": f"rank {m} did not arrive within {opts.arrival_timeout_s:g} s"}))
                 raise RecoveryFailed(
                     f"rank {m} (a survivor) did not arrive at the recovery within "
                     f"{opts.arrival_timeout_s:g} s", [verdict, *_later_verdicts(st)])
             handles[m] = raw.decode()
-        admitted = _admit_spares(st, uuid, len(excluded), deadline)
+        admitted = _admit_spares(st, ns, len(excluded), deadline)
         handles.update(dict(admitted))
-        stateless = [m for m in survivors if st.store.check([f"{uuid}/nostate/{m}"])]
+        stateless = [m for m in survivors if st.store.check([f"{ns}/nostate/{m}"])]
         decision = _decide(st, uuid, excluded, [m for m, _ in admitted], stateless, handles,
                            verdict, sharded)
-        _set(st.store, f"{uuid}/decision", json.dumps(decision))
+        _set(st.store, f"{ns}/decision", json.dumps(decision))
         if "refused" in decision:
             raise RecoveryRefused(str(decision["refused"]), [verdict])
         members = decision["members"]
         _set(st.store, "current", json.dumps({"uuid": uuid, "members": members}))
     else:
-        raw = _get(st.store, f"{uuid}/decision",
+        raw = _get(st.store, f"{ns}/decision",
                    deadline + opts.arrival_timeout_s)  # the leader's own bound, then ours
         if raw is None:
             raise RecoveryFailed(f"no membership decision from rank {leader} (the leader) "
@@ -253,7 +272,7 @@ def _apply(st: State, g: Guard, decision: dict[str, Any], verdict: Verdict) -> N
     except Exception as exc:
         raise RecoveryFailed(f"reconfigure (uuid {uuid}) failed: {exc}", [verdict]) from exc
     old = st.members
-    st.members, st.uuid = members, uuid
+    st.members, st.uuid, st.attempt = members, uuid, 0
     st.known.update(members)
     st.steps = 0
     _tell_recorder(st, c10d._get_default_group(), uuid, old, members,
@@ -337,39 +356,50 @@ SPARE_WAIT_S = 5.0
 SPARE_ENTRY_GRACE_S = 2.0
 
 
-def _admit_spares(st: State, uuid: int, wanted: int,
+def _admit_spares(st: State, ns: str, wanted: int,
                   deadline: float) -> list[tuple[int, str]]:
-    """Up to ``wanted`` standbys that answered this recovery's ``open`` (id, handle).
+    """Up to ``wanted`` standbys that answered this attempt's ``open`` (id, handle).
 
-    A standby registers as ``<uuid>/spare#<n>`` (``n`` from the store's counter);
+    A standby registers as ``<ns>/spare#<n>`` (``n`` from the store's counter);
     the leader waits up to ``SPARE_WAIT_S`` for them, and only while some standby is
     alive (the ``standbys`` counter), so a job without standbys loses no time here.
+    A standby counts itself in, then writes its entry: two store calls, and a loaded
+    host may run others between them. The count is read again while waiting (a
+    standby counted in that never writes does not hide one that does), and an entry
+    counted in but not yet written is waited for up to ``SPARE_ENTRY_GRACE_S`` past
+    the window: a single look lost a standby that had answered (CI, 7 December).
     """
     out: list[tuple[int, str]] = []
     if wanted <= 0 or _add(st.store, "standbys", 0) <= 0:
         return out
     end = min(deadline, time.monotonic() + SPARE_WAIT_S)
+    read: set[int] = set()  # entries read (taken or not)
+    pending_since: float | None = None  # first seen counted in without an entry
+    n = 0
     while True:
-        n = _add(st.store, f"{uuid}/nspare", 0)
-        if n >= wanted or time.monotonic() >= end:
-            break
-        time.sleep(0.02)
-    for i in range(1, n + 1):
+        n = _add(st.store, f"{ns}/nspare", 0)
+        now = time.monotonic()
+        for i in range(1, n + 1):
+            if i in read or len(out) >= wanted:
+                continue
+            raw = _get(st.store, f"{ns}/spare#{i}", now)  # one look a round
+            if raw is None:
+                continue
+            read.add(i)
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                entry = json.loads(raw)
+                spare, handle = int(entry["id"]), str(entry["handle"])
+                if spare not in st.members and spare not in [m for m, _ in out]:
+                    out.append((spare, handle))
         if len(out) >= wanted:
             break
-        # A standby counts itself in (``nspare``) and then writes its entry: two store
-        # calls, and a loaded host may run others between them. Its entry is waited
-        # for (to the window's end, at least SPARE_ENTRY_GRACE_S), never read once: a
-        # single look lost a standby that had answered (CI, a loaded 2-core machine).
-        raw = _get(st.store, f"{uuid}/spare#{i}",
-                   min(deadline, max(end, time.monotonic() + SPARE_ENTRY_GRACE_S)))
-        if raw is None:
-            continue
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            entry = json.loads(raw)
-            spare, handle = int(entry["id"]), str(entry["handle"])
-            if spare not in st.members and spare not in [m for m, _ in out]:
-                out.append((spare, handle))
+        if n > len(read) and pending_since is None:
+            pending_since = now
+        limit = end if n == len(read) or pending_since is None else \
+            min(deadline, max(end, pending_since + SPARE_ENTRY_GRACE_S))
+        if now >= limit:
+            break
+        time.sleep(0.02)
     if not out:
         _say(st, f"no standby answered within {SPARE_WAIT_S:g} s ({n} counted in, "
                  f"{_add(st.store, 'standbys', 0)} counted alive): going on without one")

@@ -13,6 +13,7 @@ from frforensics.recovery._state import (
     RecoveryError,
     RecoveryFailed,
     State,
+    _ns,
     _say,
 )
 from frforensics.recovery._store import _add, _get, _handle, _set
@@ -24,29 +25,41 @@ def _standby(st: State, timeout_s: float | None) -> Guard:
         raise RecoveryError(f"rank {st.me} is not a spare (spares: {st.spares})")
     end = None if timeout_s is None else time.monotonic() + timeout_s
     uuid = st.uuid + 1
+    next_attempt = 0
     _say(st, "standing by")
     while end is None or time.monotonic() < end:
         if _job_finished(st):
             _say(st, "the job finished without needing this standby")
             return Guard()
-        if _get(st.store, f"{uuid}/open", time.monotonic() + 0.2) is None:
+        opened = _get(st.store, f"{uuid}/open", time.monotonic() + 0.2)
+        if opened is None:
             continue
+        try:
+            a = int(opened)  # the members' attempt at this membership
+        except ValueError:
+            a = 0
+        if a < next_attempt:  # the refused attempt's open: wait for the next one
+            time.sleep(0.05)
+            continue
+        ns = _ns(uuid, a)
         # the entry is made before counting in: the leader reads it as soon as the
         # count says it is there (and waits a little for it, _admit_spares)
         entry = json.dumps({"id": st.me, "handle": _handle()})
-        n = _add(st.store, f"{uuid}/nspare", 1)
-        _set(st.store, f"{uuid}/spare#{n}", entry)
-        raw = _get(st.store, f"{uuid}/decision", time.monotonic() + 3 * st.options.arrival_timeout_s)
+        n = _add(st.store, f"{ns}/nspare", 1)
+        _set(st.store, f"{ns}/spare#{n}", entry)
+        raw = _get(st.store, f"{ns}/decision", time.monotonic() + 3 * st.options.arrival_timeout_s)
         if raw is None:
             uuid += 1
+            next_attempt = 0
             continue
         decision = json.loads(raw)
         if "failed" in decision or "refused" in decision:
-            uuid += 1
+            next_attempt = a + 1  # the members stay at this uuid: their next attempt
             continue
         if st.me not in decision["members"]:
             st.uuid = uuid
             uuid += 1
+            next_attempt = 0
             continue
         g = Guard()
         st.spares = [s for s in st.spares if s != st.me]
@@ -94,12 +107,12 @@ def _exclusion_watch(st: State) -> None:
             break
         if st.recovering or st.me not in st.members:
             continue
-        uuid = st.uuid + 1
+        key = f"{_ns(st.uuid + 1, st.attempt)}/decision"
         try:
-            if not st.store.check([f"{uuid}/decision"]):
+            if not st.store.check([key]):
                 failures = 0
                 continue
-            decision = json.loads(bytes(st.store.get(f"{uuid}/decision")))
+            decision = json.loads(bytes(st.store.get(key)))
         except Exception:
             failures += 1
             continue

@@ -196,6 +196,10 @@ class State:
     history: list[dict[str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     recovering: bool = False
+    #: Attempts at the next membership refused so far (each refusal is seen by every
+    #: member, who all count it): the next attempt's store keys are fresh
+    #: (:func:`_ns`), never the refused one's verdict, plan, handles or decision.
+    attempt: int = 0
     closed: bool = False
     #: Every member id this job ever had (a verdict may name no other rank).
     known: set[int] = field(default_factory=set)
@@ -243,6 +247,13 @@ class Guard:
     #: to the agreed verdict), ``reform_s`` (arrival, decision, reconfigure, check),
     #: ``handover_s`` (the state to the standbys and the agreement; 0 without one).
     phases: dict[str, float] = field(default_factory=dict)
+
+
+def _ns(uuid: int, attempt: int) -> str:
+    """The store prefix of one attempt at membership ``uuid`` (``<uuid>``, then
+    ``<uuid>.<k>`` after ``k`` refused attempts): a refused attempt's keys (its
+    agreed verdict, plan, handles, standbys' entries, decision) are never read again."""
+    return f"{uuid}" if attempt == 0 else f"{uuid}.{attempt}"
 
 
 def _is_comm_failure(exc: BaseException) -> bool:

@@ -142,14 +142,15 @@ def verdict_from_dump_dir(dump_dir: str | os.PathLike[str], *, world_size: int,
     return source
 
 
-def _agree_on_verdict(st: State, uuid: int, local: dict[str, Any] | None,
+def _agree_on_verdict(st: State, ns: str, local: dict[str, Any] | None,
                       deadline: float) -> dict[str, Any] | None:
-    """The verdict every survivor uses for attempt ``uuid``: the first one published.
+    """The verdict every survivor uses for the attempt whose keys are under ``ns``
+    (``_state._ns``): the first one published.
 
     The store holds its JSON object (the orchestrator contract's document);
     :func:`parse_agreed` reads it typed.
     """
-    key = f"{uuid}/verdict"
+    key = f"{ns}/verdict"
     try:
         raw = st.store.compare_set(key, "", json.dumps(local)) if local is not None else None
     except Exception as exc:
