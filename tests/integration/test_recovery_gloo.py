@@ -63,10 +63,11 @@ if SCENARIO == "subgroup":
     tp_members = [[0, 1], [2, 3]][rank // 2]
 TOTAL = 5 + 20
 while step < TOTAL or (rec.history and after < 20):
-    if SCENARIO == "twice" and rank == 3 and len(rec.history) == 1 and step == 10:
+    if SCENARIO in ("twice", "spare_twice") and rank == 3 and len(rec.history) == 1 \
+            and step == 10:
         os.kill(os.getpid(), signal.SIGSTOP)       # a second host hangs after the recovery
     if rank == 2 and step == 5:
-        if SCENARIO in ("stop", "subgroup", "spare", "second", "twice"):
+        if SCENARIO in ("stop", "subgroup", "spare", "second", "twice", "spare_twice"):
             os.kill(os.getpid(), signal.SIGSTOP)   # the host freezes: nothing runs in it
         elif SCENARIO == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -242,6 +243,31 @@ def test_standby_joins_and_the_world_stays_four(run_job: Any) -> None:
             assert _event(job, r, "done")["after"] == 20  # type: ignore[index]
         os.kill(job.procs[2].pid, signal.SIGCONT)
         assert job.procs[2].wait(timeout=20) == 79, job.logs()
+    finally:
+        _release(job)
+
+
+@pytest.mark.native_rerun
+def test_a_hang_after_a_standby_took_a_place_names_the_rank_that_hung(run_job: Any) -> None:
+    # Rank 2 freezes, the standby (member 4) takes its place; then rank 3 freezes.
+    # The standby's default group must carry the members' post-change identity
+    # (0@r2): under its old name its ops stood beside the members' ops from before
+    # the change, and the second verdict read a deadlock across two groups naming
+    # healthy ranks 0, 1 and 4 (a refusal: every member).
+    job = _start(run_job, "spare_twice", world_size=5, spares=1)
+    try:
+        _wait_events(job, [0, 1, 4], "done", 120)
+        for r in (0, 1, 4):
+            done = _event(job, r, "done")
+            assert done is not None and done["members"] == [0, 1, 4], job.logs()
+            assert done["recoveries"][-1] == [3] and done["world_size"] == 3
+        for r in (0, 1):
+            assert _event(job, r, "done")["recoveries"] == [[2], [3]]  # type: ignore[index]
+            second = [e for e in _results(job, r) if e["event"] == "reconfigured"][-1]
+            assert second["actions"] == [[3, "replace_gpu_or_host"]], second
+        for r in (2, 3):
+            os.kill(job.procs[r].pid, signal.SIGCONT)
+        assert [job.procs[r].wait(timeout=20) for r in (2, 3)] == [79, 79], job.logs()
     finally:
         _release(job)
 

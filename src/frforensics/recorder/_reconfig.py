@@ -55,8 +55,13 @@ def reconfigured(rec: Recorder, group: Any, *, uuid: int, old_members: Sequence[
     if old is None or counts is None:
         return None
     ranks = tuple(int(m) for m in members)
-    if counts == (0, 0):
-        # Nothing recorded yet (the first configuration): same group, real members.
+    if counts == (0, 0) and uuid <= 1:
+        # The first configuration, nothing recorded yet: same group, real members.
+        # Any later one gets the new identity even where this process recorded
+        # nothing (an admitted standby): the members' group is `<name>@r<uuid>`,
+        # and a standby still calling it `<name>` would put its ops beside the
+        # members' ops from before the change (a later hang then read as a
+        # deadlock across two groups, naming healthy ranks).
         old.ranks = ranks
         new = old
     else:
