@@ -109,6 +109,10 @@ def decode_round(blob: bytes) -> dict[str, np.ndarray] | None:
         return None
 
 
+def _text(raw: Any) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+
+
 def straggler_report(report: dict[str, Any], round_: int, dump_dir: Path,
                      now_ns: int) -> StragglerReport:
     """The ``frforensics.stragglers/1`` document of one round from the analysis child's
@@ -144,6 +148,13 @@ class LiveStragglers(threading.Thread):
         self.reported: set[int] = set()
         self.named_last = False
         self.rounds = 0
+        self.registered = False
+        #: the owner's view of every publisher: rank -> (its round counter, when it
+        #: last changed, monotonic); a rank whose counter stopped is no longer read
+        self.seen: dict[int, tuple[int, float]] = {}
+        self.slots: dict[int, int] = {}  # registry slot -> rank (``_publishers``)
+        #: a non-owner's view of the owner: (owner, its round counter, when it changed)
+        self.owner_seen: tuple[str, int, float] | None = None
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -185,18 +196,80 @@ class LiveStragglers(threading.Thread):
                             [r[3] for r in kept], [r[4] for r in kept])
         s.set(f"live/{me}", blob)
         s.add(f"live/{me}/round", 1)
-        if self.owner is None:
-            won = s.compare_set("live/owner", "", str(me))
-            self.owner = (won.decode() if isinstance(won, bytes) else str(won)) == str(me)
+        if not self.registered:  # how the owner finds a rank past the world (a standby)
+            s.set(f"live/who/{s.add('live/n', 1)}", str(me))
+            self.registered = True
+        self.owner = self._elect(s, me)
         if self.owner:
             self._analyze(s)
 
+    def _elect(self, s: Any, me: int) -> bool:
+        """Whether this rank owns the analysis this round.
+
+        The first rank to ``compare_set`` ``live/owner`` owns it. An owner whose
+        round counter has not moved for longer than its longest analysis
+        (``verdict_timeout_s``) plus three intervals has gone (excluded, died, or
+        finished): the first rank to swap its id for the owner's takes over. An
+        owner that finds another id there (it stalled past that bound) steps down.
+        """
+        current = _text(s.compare_set("live/owner", "", str(me)))
+        if current == str(me):
+            return True
+        now = time.monotonic()
+        count = int(s.add(f"live/{current}/round", 0)) if current.isdigit() else -1
+        seen = self.owner_seen
+        if seen is None or seen[0] != current or seen[1] != count:
+            self.owner_seen = (current, count, now)
+            return False
+        if now - seen[2] <= self.rec.config.verdict_timeout_s + 3 * self.interval_s:
+            return False
+        won = _text(s.compare_set("live/owner", current, str(me))) == str(me)
+        if won:
+            self.windows.clear()
+            # what this rank saw of the old owner stands: it is not read again
+            self.seen = {int(current): (count, seen[2])} if current.isdigit() else {}
+            with contextlib.suppress(Exception):
+                log.warning("frforensics: live stragglers: rank %s took over the analysis "
+                            "(rank %s's rounds stopped %.0f s ago)", me, current, now - seen[2])
+        self.owner_seen = None
+        return won
+
     # ------------------------------------------------------------ the owner
+
+    def _publishers(self, store: Any) -> list[int]:
+        """The ranks publishing now: those of the world and those registered past it
+        (an admitted standby), less any whose round counter has not moved for three
+        intervals (excluded, exited, or died: its last window is dropped)."""
+        world = self.rec.world_size or 0
+        for slot in range(1, int(store.add("live/n", 0)) + 1):
+            if slot not in self.slots and store.check([f"live/who/{slot}"]):
+                with contextlib.suppress(ValueError):
+                    self.slots[slot] = int(_text(store.get(f"live/who/{slot}")))
+        candidates = sorted({*range(world), *self.slots.values()})
+        # the counter is written after the blob: a rank with a counter has a blob
+        ranks = [r for r in candidates if store.check([f"live/{r}/round"])]
+        now = time.monotonic()
+        out = []
+        for r, raw in zip(ranks, store.multi_get([f"live/{r}/round" for r in ranks]),
+                          strict=True):
+            try:
+                count = int(_text(raw))
+            except ValueError:
+                continue
+            last = self.seen.get(r)
+            if last is None or last[0] != count:
+                self.seen[r] = (count, now)
+            elif now - last[1] > 3 * self.interval_s:
+                self.windows.pop(r, None)
+                continue
+            out.append(r)
+        return out
 
     def _analyze(self, store: Any) -> None:
         rec = self.rec
-        world = rec.world_size or 0
-        ranks = [r for r in range(world) if store.check([f"live/{r}"])]
+        ranks = self._publishers(store)
+        # a standby's member id is past the world it was started in
+        world = max([rec.world_size or 0, *(r + 1 for r in ranks)])
         for r in ranks:
             known = self.groups_of.get(r)
             window = self.windows.get(r)
@@ -279,7 +352,7 @@ class LiveStragglers(threading.Thread):
         return RankTrace(
             rank=r, header=DumpHeader(
                 source="frforensics.live", format=SourceFormat.FRDUMP, version="3",
-                world_size=self.rec.world_size,
+                world_size=max(self.rec.world_size or 0, r + 1),
                 dump_time_ns=int(w["comp"].max()) if n else None,
                 completion_resolution_ns=self.rec.resolution_ns),
             groups=tuple(self.groups_of[r]), strings=tuple(names), stacks=(),
