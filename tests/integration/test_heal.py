@@ -60,8 +60,37 @@ def setup(**kw):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_send(*a, **k)
         dist.send = send
+    if how == "owner_dies":
+        return _SlowStandby(real_setup(**kw))
     return real_setup(**kw)
 recovery.setup = setup
+
+
+class _SlowStandby:
+    # member 4, the first standby, is a slow GPU once admitted: 140 ms a step, 100 ms
+    # on the others (the example's EXAMPLE_FAULT=slow, moved to the standby)
+    def __init__(self, rec):
+        self._rec = rec
+    def __getattr__(self, name):
+        return getattr(self._rec, name)
+    def guard(self):
+        import time
+        time.sleep(0.14 if self._rec.me == 4 else 0.1)
+        return self._rec.guard()
+
+
+if os.environ["FRT_HOSTILE"] == "owner_dies" and os.environ.get("RANK") == "3":
+    # rank 3, killed at step 6, owns the live straggler analysis: it takes its
+    # first round as soon as the job's store is there, before the others' first
+    import torch.distributed as dist
+    from frforensics.recorder import _enable
+    real_init = dist.init_process_group
+    def init_process_group(*a, **k):
+        real_init(*a, **k)
+        _enable._session.live._round()
+        print("live owner: rank 3" if _enable._session.live.owner else "live owner: other",
+              flush=True)
+    dist.init_process_group = init_process_group
 runpy.run_path(os.environ["FRT_EXAMPLE"], run_name="__main__")
 '''
 
@@ -252,6 +281,25 @@ def test_a_slow_gpu_excluded_by_the_live_rule_hands_its_place_and_state_to_a_sta
     reference = _params(tmp_path, "slow_ref")
     _assert_healed(_params(tmp_path, "slow"), reference, [0, 1, 2, 4])
     assert all(torch.equal(reference[m], reference[0]) for m in (1, 2, 3))
+
+
+def test_the_live_rule_outlives_its_owner_and_judges_the_standby_that_took_a_place(
+        tmp_path: Path) -> None:
+    # Rank 3 owns the live straggler analysis and is killed at step 6; standby 4
+    # takes its place and is a slow GPU. Another rank takes the analysis over, reads
+    # the standby (a member id past the world), names it in two windows; it is
+    # excluded at a step boundary and the next standby (5) takes its place.
+    knobs = {"EXAMPLE_STEPS": "250", "EXAMPLE_STRAGGLER_S": "1.0"}
+    code, text, finals = _run(tmp_path, "owner", [*SINGLE, "--spares", "1"],
+                              hostile="owner_dies", EXAMPLE_FAULT="kill", **knobs)
+    assert "live owner: rank 3" in text, text[-6000:]
+    assert "took over the analysis (rank 3's rounds stopped" in text, text[-6000:]
+    assert "PLANNED — straggler in 2 consecutive window(s): rank(s) [4]" in text, text[-6000:]
+    assert sorted(finals) == [0, 1, 2, 5], text[-6000:]
+    assert all(f["step"] == 250 and f["world_size"] == 4 for f in finals.values()), finals
+    assert all(finals[m]["recoveries"] == 2 for m in (0, 1, 2)), finals
+    assert len({f["sum"] for f in finals.values()}) == 1, finals
+    assert code == 0, text[-6000:]
 
 
 @pytest.mark.native_rerun

@@ -64,7 +64,8 @@ def _rank(store: _Store, me: int, world: int, tmp: Path, interval: float = 1.0,
     rec = SimpleNamespace(
         store=store, rank=me, world_size=world, store_dead=False, flag_raised=False,
         flag_seen=None, groups=[], snapshot=lambda: ([], 0), resolution_ns=1_000_000,
-        config=SimpleNamespace(verdict_timeout_s=verdict_timeout, dump_dir=tmp, timeout_s=3.0),
+        config=SimpleNamespace(verdict_timeout_s=verdict_timeout, dump_dir=tmp, timeout_s=3.0,
+                               stale_limit_s=2.0),
         note_error=lambda *a: None)
     return _live.LiveStragglers(rec, None, interval)  # type: ignore[arg-type]
 
@@ -108,21 +109,28 @@ def test_the_owner_reads_a_standby_past_the_world_and_stops_reading_a_rank_whose
     assert all(not t.owner for r, t in threads.items() if r != 0)
 
 
+@pytest.mark.parametrize("process_alive", [False, True])
 def test_a_rank_takes_over_when_the_owners_rounds_stop_and_the_old_owner_steps_down(
-        tmp_path: Path, clock: _Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, clock: _Clock, monkeypatch: pytest.MonkeyPatch,
+        process_alive: bool) -> None:
+    # The owner's rounds stop. Its process gone (its heartbeat stopped too): a rank
+    # takes over after three intervals. Its process alive (an analysis that stalls):
+    # only past the analysis bound, verdict_timeout_s (10 s) + three intervals.
     store = _Store()
     threads = {r: _rank(store, r, 4, tmp_path, verdict_timeout=10.0) for r in range(4)}
     read = _read_by_owner(threads, monkeypatch)
     for r in range(4):
         threads[r]._round()
     assert threads[0].owner
-    # the owner (rank 0) stops: within its analysis bound (10 s + 3 intervals) nobody moves
-    for _ in range(12):
+    wait = 12 if process_alive else 3
+    for i in range(wait):
         clock.t += 1.0
+        if process_alive:
+            store.set("hb/0", str(i))  # the watchdog's heartbeat goes on
         for r in (1, 2, 3):
             threads[r]._round()
     assert not any(threads[r].owner for r in (1, 2, 3))
-    for _ in range(3):
+    for _ in range(2 if process_alive else 1):
         clock.t += 1.0
         for r in (1, 2, 3):
             threads[r]._round()

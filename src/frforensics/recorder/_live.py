@@ -33,6 +33,7 @@ import threading
 import time
 import zlib
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -109,6 +110,17 @@ def decode_round(blob: bytes) -> dict[str, np.ndarray] | None:
         return None
 
 
+@dataclass(slots=True)
+class _OwnerSeen:
+    """The owner as a non-owner last saw it change (its own monotonic clock)."""
+
+    owner: str
+    count: int  # its live round counter
+    since: float  # when the counter last changed
+    beat: str  # its process heartbeat (hb/<rank>)
+    beat_since: float  # when the heartbeat last changed
+
+
 def _text(raw: Any) -> str:
     return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
 
@@ -153,8 +165,7 @@ class LiveStragglers(threading.Thread):
         #: last changed, monotonic); a rank whose counter stopped is no longer read
         self.seen: dict[int, tuple[int, float]] = {}
         self.slots: dict[int, int] = {}  # registry slot -> rank (``_publishers``)
-        #: a non-owner's view of the owner: (owner, its round counter, when it changed)
-        self.owner_seen: tuple[str, int, float] | None = None
+        self.owner_seen: _OwnerSeen | None = None  # a non-owner's view of the owner
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -207,30 +218,41 @@ class LiveStragglers(threading.Thread):
         """Whether this rank owns the analysis this round.
 
         The first rank to ``compare_set`` ``live/owner`` owns it. An owner whose
-        round counter has not moved for longer than its longest analysis
-        (``verdict_timeout_s``) plus three intervals has gone (excluded, died, or
-        finished): the first rank to swap its id for the owner's takes over. An
-        owner that finds another id there (it stalled past that bound) steps down.
+        round counter has not moved for three intervals while its process
+        heartbeat (``hb/<rank>``, the watchdog's) has not moved for the stale limit
+        has gone (excluded, died, or finished); one whose counter has not moved for
+        longer than its longest analysis (``verdict_timeout_s``) plus three
+        intervals has stalled. The first rank to swap its id for the owner's takes
+        over; an owner that finds another id there steps down. Both readings are of
+        changes seen on this rank's own clock: no two hosts' clocks are compared.
         """
         current = _text(s.compare_set("live/owner", "", str(me)))
         if current == str(me):
             return True
-        now = time.monotonic()
-        count = int(s.add(f"live/{current}/round", 0)) if current.isdigit() else -1
-        seen = self.owner_seen
-        if seen is None or seen[0] != current or seen[1] != count:
-            self.owner_seen = (current, count, now)
+        if not current.isdigit():
             return False
-        if now - seen[2] <= self.rec.config.verdict_timeout_s + 3 * self.interval_s:
+        now = time.monotonic()
+        count = int(s.add(f"live/{current}/round", 0))
+        beat = _text(s.get(f"hb/{current}")) if s.check([f"hb/{current}"]) else ""
+        seen = self.owner_seen
+        if seen is None or seen.owner != current or seen.count != count:
+            self.owner_seen = _OwnerSeen(current, count, now, beat, now)
+            return False
+        if beat != seen.beat:
+            seen.beat, seen.beat_since = beat, now
+        quiet = now - seen.since
+        config = self.rec.config
+        gone = quiet > 3 * self.interval_s and now - seen.beat_since > config.stale_limit_s
+        if not gone and quiet <= config.verdict_timeout_s + 3 * self.interval_s:
             return False
         won = _text(s.compare_set("live/owner", current, str(me))) == str(me)
         if won:
             self.windows.clear()
             # what this rank saw of the old owner stands: it is not read again
-            self.seen = {int(current): (count, seen[2])} if current.isdigit() else {}
+            self.seen = {int(current): (count, seen.since)}
             with contextlib.suppress(Exception):
                 log.warning("frforensics: live stragglers: rank %s took over the analysis "
-                            "(rank %s's rounds stopped %.0f s ago)", me, current, now - seen[2])
+                            "(rank %s's rounds stopped %.0f s ago)", me, current, quiet)
         self.owner_seen = None
         return won
 
