@@ -289,14 +289,14 @@ def test_the_live_rule_outlives_its_owner_and_judges_the_standby_that_took_a_pla
     # takes its place and is a slow GPU. Another rank takes the analysis over, reads
     # the standby (a member id past the world), names it in two windows; it is
     # excluded at a step boundary and the next standby (5) takes its place.
-    knobs = {"EXAMPLE_STEPS": "250", "EXAMPLE_STRAGGLER_S": "1.0"}
+    knobs = {"EXAMPLE_STEPS": "150", "EXAMPLE_STRAGGLER_S": "1.0"}
     code, text, finals = _run(tmp_path, "owner", [*SINGLE, "--spares", "1"],
                               hostile="owner_dies", EXAMPLE_FAULT="kill", **knobs)
     assert "live owner: rank 3" in text, text[-6000:]
     assert "took over the analysis (rank 3's rounds stopped" in text, text[-6000:]
     assert "PLANNED — straggler in 2 consecutive window(s): rank(s) [4]" in text, text[-6000:]
     assert sorted(finals) == [0, 1, 2, 5], text[-6000:]
-    assert all(f["step"] == 250 and f["world_size"] == 4 for f in finals.values()), finals
+    assert all(f["step"] == 150 and f["world_size"] == 4 for f in finals.values()), finals
     assert all(finals[m]["recoveries"] == 2 for m in (0, 1, 2)), finals
     assert len({f["sum"] for f in finals.values()}) == 1, finals
     assert code == 0, text[-6000:]
