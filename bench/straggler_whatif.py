@@ -88,7 +88,15 @@ def _verdict(dumps: Path, prefix: str) -> dict[str, object]:
     report = json.loads(out.stdout)
     stragglers = [f for f in report["findings"] if f["kind"] == "straggler"]
     share = stragglers[0]["evidence"].get("cost_share") if stragglers else None
-    return {"culprits": report["culprit_ranks"], "what_if_share": share}
+    # what the verdict rested on, so a run where a source names nobody says why
+    return {"culprits": report["culprit_ranks"], "what_if_share": share,
+            "status": report.get("status"), "ranks_loaded": report.get("ranks_loaded"),
+            "load_problems": len(report.get("load_problems") or []),
+            "notes": [str(n)[:300] for n in (report.get("notes") or [])[:3]]}
+
+
+def _why(v: dict[str, object]) -> dict[str, object]:
+    return {k: v[k] for k in ("status", "ranks_loaded", "load_problems", "notes")}
 
 
 def _pct(v: object) -> str:
@@ -116,7 +124,7 @@ def main() -> int:
                              "span_ms": span, "span_without_ms": base,
                              "measured_share": round(measured, 4), "what_if_share": share,
                              "relative_error": None if err is None else round(err, 3),
-                             "culprits": v["culprits"]})
+                             "culprits": v["culprits"], "verdict": _why(v)})
         for i in range(args.noise_runs):
             span, dumps = _run_job(Path(tmp) / f"noise{i}", 0.0, args.steps, True)
             for source, prefix in (("ours", "frdump_rank_"), ("native", "nccl_trace_rank_")):
@@ -124,7 +132,8 @@ def main() -> int:
                 rows.append({"job": f"healthy, OS spikes on rank 2 (run {i + 1})",
                              "source": source, "span_ms": span, "span_without_ms": None,
                              "measured_share": None, "what_if_share": v["what_if_share"],
-                             "relative_error": None, "culprits": v["culprits"]})
+                             "relative_error": None, "culprits": v["culprits"],
+                             "verdict": _why(v)})
     print("| job | source | span ms | span without ms | measured saving | what-if saving "
           "| error | culprits |")
     print("|---|---|---|---|---|---|---|---|")
