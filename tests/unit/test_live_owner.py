@@ -143,6 +143,38 @@ def test_a_rank_takes_over_when_the_owners_rounds_stop_and_the_old_owner_steps_d
     assert not threads[0].owner and len(read[0]) == before
 
 
+def test_a_hostile_registry_costs_the_owner_a_bounded_round(
+        tmp_path: Path, clock: _Clock) -> None:
+    # the registry's count and entries are store values: a count of 10**12 is read
+    # SLOTS_A_ROUND slots a round, and an entry naming no rank is no candidate
+    store = _Store()
+    t = _rank(store, 0, 4, tmp_path)
+    for r in range(4):
+        store.set(f"live/{r}", b"x")
+        store.add(f"live/{r}/round", 1)
+    store.add("live/n", 10**12)
+    store.set("live/who/1", "99999999999")
+    store.set("live/who/2", "-3")
+    store.set("live/who/3", "two")
+    store.set("live/who/5", "4")  # slot 4 counted, not yet written
+    store.set("live/4/round", b"1")
+    checks = 0
+    real_check = store.check
+
+    def counting(keys: list[str]) -> bool:
+        nonlocal checks
+        checks += 1
+        return real_check(keys)
+
+    store.check = counting  # type: ignore[method-assign]
+    assert t._publishers(store) == [0, 1, 2, 3, 4]
+    assert checks < _live.SLOTS_A_ROUND + 100
+    assert t.next_slot == _live.SLOTS_A_ROUND + 1 and 4 in t.unwritten
+    store.set("live/who/4", "1")  # written late: read the next round
+    t._publishers(store)
+    assert t.slots[4] == 1 and 4 not in t.unwritten
+
+
 def test_the_owner_names_a_slow_standby_from_its_window(tmp_path: Path) -> None:
     # The analysis child on windows of members 0, 1, 2 and the admitted standby 4
     # (world 4): the standby arrives 50 ms after the others at every all_reduce.

@@ -41,6 +41,7 @@ import numpy as np
 from frforensics.formats import frdump
 from frforensics.model import DumpHeader, EntryTable, GroupInfo, OpState, RankTrace, SourceFormat
 from frforensics.recorder import _ring as R
+from frforensics.recorder._verdict import _MAX_RANK, _text
 from frforensics.verdict import STRAGGLERS_SCHEMA, StragglerReport
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ log = logging.getLogger("frforensics.recorder")
 WINDOW: Final = 512  # the straggler rule's own window (analyzer/detectors/straggler.py)
 _MAX_ROUND: Final = 4 << 20
 KEEP_ROUNDS: Final = 4  # rounds each published blob repeats (``LiveStragglers._round``)
+#: registry slots (``live/who/<k>``) the owner reads a round at most: the count is a
+#: store value, and a store value bounds no loop
+SLOTS_A_ROUND: Final = 4096
 
 
 def encode_round(groups: list[int], seqs: list[int], ops: list[str], enq_ns: list[int],
@@ -121,10 +125,6 @@ class _OwnerSeen:
     beat_since: float  # when the heartbeat last changed
 
 
-def _text(raw: Any) -> str:
-    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
-
-
 def straggler_report(report: dict[str, Any], round_: int, dump_dir: Path,
                      now_ns: int) -> StragglerReport:
     """The ``frforensics.stragglers/1`` document of one round from the analysis child's
@@ -165,6 +165,8 @@ class LiveStragglers(threading.Thread):
         #: last changed, monotonic); a rank whose counter stopped is no longer read
         self.seen: dict[int, tuple[int, float]] = {}
         self.slots: dict[int, int] = {}  # registry slot -> rank (``_publishers``)
+        self.next_slot = 1  # the first slot not yet looked at
+        self.unwritten: set[int] = set()  # slots counted but not yet written
         self.owner_seen: _OwnerSeen | None = None  # a non-owner's view of the owner
 
     def stop(self) -> None:
@@ -263,10 +265,19 @@ class LiveStragglers(threading.Thread):
         (an admitted standby), less any whose round counter has not moved for three
         intervals (excluded, exited, or died: its last window is dropped)."""
         world = self.rec.world_size or 0
-        for slot in range(1, int(store.add("live/n", 0)) + 1):
-            if slot not in self.slots and store.check([f"live/who/{slot}"]):
-                with contextlib.suppress(ValueError):
-                    self.slots[slot] = int(_text(store.get(f"live/who/{slot}")))
+        end = min(int(store.add("live/n", 0)), self.next_slot + SLOTS_A_ROUND - 1)
+        todo = [*sorted(self.unwritten)[:SLOTS_A_ROUND], *range(self.next_slot, end + 1)]
+        self.next_slot = max(self.next_slot, end + 1)
+        for slot in todo:
+            if not store.check([f"live/who/{slot}"]):
+                if len(self.unwritten) < SLOTS_A_ROUND:
+                    self.unwritten.add(slot)  # its rank counted in, then wrote: next round
+                continue
+            self.unwritten.discard(slot)
+            with contextlib.suppress(ValueError):
+                rank = int(_text(store.get(f"live/who/{slot}")))
+                if 0 <= rank < _MAX_RANK:
+                    self.slots[slot] = rank
         candidates = sorted({*range(world), *self.slots.values()})
         # the counter is written after the blob: a rank with a counter has a blob
         ranks = [r for r in candidates if store.check([f"live/{r}/round"])]
